@@ -1,0 +1,89 @@
+"""The embedded default model: a tiny Nemotron-H (M*ME layout) with random weights and a
+byte-level tokenizer, created on first use so ``blockspec generate`` runs on a bare machine.
+Its text is noise; it exists to exercise the whole path until a trained demo family ships."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from blockspec.models.nemotron_h import NemotronHForCausalLM
+from blockspec.models.nemotron_h_config import NemotronHConfig
+
+SPECIALS = ["<pad>", "<s>", "</s>"]
+DEMO_CONFIG = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+    "hybrid_override_pattern": "M*ME", "vocab_size": 259, "hidden_size": 64,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2,
+    "conv_kernel": 4, "chunk_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64, "moe_shared_expert_intermediate_size": 64,
+    "intermediate_size": 64, "routed_scaling_factor": 2.5, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "dtype": "float32",
+}
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("BLOCKSPEC_CACHE") or Path.home() / ".cache" / "blockspec"
+    return Path(root)
+
+
+def random_state(model: NemotronHForCausalLM, seed: int) -> dict[str, torch.Tensor]:
+    """Plausible random weights: unit norms, Mamba-style A/D/dt, small normal projections."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+            v = torch.ones(t.shape)
+        elif name.endswith("A_log"):
+            v = torch.log(torch.arange(1, t.numel() + 1, dtype=torch.float32))
+        elif name.endswith(".D") or name.endswith("dt_bias"):
+            v = torch.ones(t.shape)
+        elif name.endswith("e_score_correction_bias") or name.endswith(".bias"):
+            v = torch.zeros(t.shape)
+        else:
+            std = 0.5 if name.endswith("gate.weight") else 0.1
+            v = torch.randn(t.shape, generator=g) * std
+        out[name] = v.to(t.dtype).contiguous()
+    return out
+
+
+def byte_level_tokenizer_json() -> str:
+    """A tokenizers-library BPE with no merges over the 256 byte symbols, plus specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    return tok.to_str()
+
+
+def write_demo_model(folder: Path, seed: int = 0) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = NemotronHConfig.from_dict(DEMO_CONFIG)
+    state = random_state(NemotronHForCausalLM(cfg, dtype=torch.float32), seed)
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "tokenizer.json").write_text(byte_level_tokenizer_json())
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<s>assistant: {% endif %}"}, indent=1))
+    (folder / "config.json").write_text(json.dumps(DEMO_CONFIG, indent=1))
+    return folder
+
+
+def ensure_demo_model(root: Path | None = None) -> Path:
+    folder = (root or default_cache_dir()) / "demo-tiny"
+    if not (folder / "config.json").is_file():
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        write_demo_model(tmp)
+        tmp.replace(folder) if not folder.exists() else None
+    return folder

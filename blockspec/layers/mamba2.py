@@ -1,0 +1,174 @@
+"""Mamba-2 mixer with the three state disciplines an engine needs.
+
+* extend (prefill, possibly chunked): chunked SSD scan from the request's committed state,
+  writing the new state back;
+* decode: one recurrent step per request, writing the state back;
+* verify: T recurrent steps from the committed state that *do not* overwrite it; the inputs
+  needed to rebuild the conv window and the SSM state after every step are returned so that
+  ``commit`` can adopt the state at the last accepted index.
+
+Everything here is the pure-torch reference (fp32 state and scan math).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from blockspec.layers.linear import QuantPlan, build_linear
+from blockspec.layers.norm import GatedGroupRMSNorm
+from blockspec.models.nemotron_h_config import NemotronHConfig
+
+
+@dataclass
+class MambaVerifyState:
+    """What a verify pass leaves behind for one layer: the pre-conv inputs of every block
+    position ([B, T, conv_dim]) and the SSM state after every position ([B, T, H, P, N])."""
+
+    xbc: torch.Tensor
+    ssm: torch.Tensor
+
+
+def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                     C: torch.Tensor, state: torch.Tensor, chunk: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked SSD scan for one sequence.
+
+    x [T,H,P], dt [T,H] (after softplus), A [H], B/C [T,H,N] (already per head), state [H,P,N].
+    Returns y [T,H,P] (without the D skip) and the final state; all fp32.
+    """
+    T = x.shape[0]
+    ys = []
+    S = state
+    dA = dt * A
+    for c0 in range(0, T, chunk):
+        sl = slice(c0, min(T, c0 + chunk))
+        acum = torch.cumsum(dA[sl], dim=0)                        # [q,H]
+        q = acum.shape[0]
+        seg = acum[:, None, :] - acum[None, :, :]                 # [l,s,H]
+        causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
+        L = torch.where(causal[:, :, None], torch.exp(seg), torch.zeros_like(seg))
+        xdt = x[sl] * dt[sl, :, None]                              # [q,H,P]
+        G = torch.einsum("lhn,shn->lsh", C[sl], B[sl])
+        y = torch.einsum("lsh,shp->lhp", G * L, xdt)
+        y = y + torch.einsum("lhn,hpn->lhp", C[sl], S) * torch.exp(acum)[:, :, None]
+        decay = torch.exp(acum[-1:] - acum)                        # [q,H]
+        S = (torch.exp(acum[-1])[:, None, None] * S
+             + torch.einsum("shn,shp->hpn", B[sl] * decay[:, :, None], xdt))
+        ys.append(y)
+    return torch.cat(ys, dim=0), S
+
+
+def ssm_recurrent_steps(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                        C: torch.Tensor, state: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step-by-step recurrence for a batch: x [Bt,T,H,P], dt [Bt,T,H], B/C [Bt,T,H,N],
+    state [Bt,H,P,N]. Returns y [Bt,T,H,P] (no D skip) and the states after each step
+    [Bt,T,H,P,N]; the input state is not modified."""
+    T = x.shape[1]
+    S = state
+    ys, states = [], []
+    for t in range(T):
+        decay = torch.exp(dt[:, t] * A)                            # [Bt,H]
+        S = S * decay[:, :, None, None] + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", S, C[:, t]))
+        states.append(S)
+    return torch.stack(ys, dim=1), torch.stack(states, dim=1)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: NemotronHConfig, prefix: str, quant: QuantPlan | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.H, self.P, self.N = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size
+        self.G, self.K = cfg.n_groups, cfg.conv_kernel
+        self.d_inner, self.conv_dim = cfg.d_inner, cfg.conv_dim
+        self.chunk = cfg.chunk_size
+        self.dt_limit = cfg.time_step_limit
+        proj = self.d_inner + self.conv_dim + self.H
+        self.in_proj = build_linear(f"{prefix}.in_proj", cfg.hidden_size, proj, cfg.use_bias, quant, dtype)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.K, groups=self.conv_dim,
+                                bias=cfg.use_conv_bias, dtype=dtype)
+        self.conv1d.requires_grad_(False)
+        # SSM parameters stay fp32 whatever the model dtype: they feed exp/softplus.
+        self.A_log = nn.Parameter(torch.zeros(self.H), requires_grad=False)
+        self.D = nn.Parameter(torch.ones(self.H), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.zeros(self.H), requires_grad=False)
+        self.norm = GatedGroupRMSNorm(self.d_inner, self.d_inner // self.G, cfg.layer_norm_epsilon, dtype)
+        self.out_proj = build_linear(f"{prefix}.out_proj", self.d_inner, cfg.hidden_size, cfg.use_bias, quant, dtype)
+
+    # ---- pieces --------------------------------------------------------------------------
+    def _split(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = self.in_proj(u)
+        return p.split([self.d_inner, self.conv_dim, self.H], dim=-1)
+
+    def _conv(self, xbc: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv + SiLU. xbc [Bt,T,C], window [Bt,C,K-1] (previous inputs)."""
+        full = torch.cat([window.to(xbc.dtype), xbc.transpose(1, 2)], dim=2)
+        out = F.conv1d(full, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+        return F.silu(out).transpose(1, 2)                          # [Bt,T,C]
+
+    def _ssm_inputs(self, xbc: torch.Tensor, dt_raw: torch.Tensor):
+        x, Bm, Cm = xbc.float().split([self.d_inner, self.G * self.N, self.G * self.N], dim=-1)
+        lead = x.shape[:-1]
+        rep = self.H // self.G
+        x = x.reshape(*lead, self.H, self.P)
+        Bm = Bm.reshape(*lead, self.G, self.N).repeat_interleave(rep, dim=-2)
+        Cm = Cm.reshape(*lead, self.G, self.N).repeat_interleave(rep, dim=-2)
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float())
+        lo, hi = self.dt_limit
+        if lo > 0.0 or hi != float("inf"):
+            dt = dt.clamp(min=lo, max=hi)
+        return x, Bm, Cm, dt
+
+    def _out(self, y: torch.Tensor, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        y = y + x * self.D.float()[:, None]
+        y = y.reshape(*y.shape[:-2], self.d_inner)
+        return self.out_proj(self.norm(y, z))
+
+    # ---- modes ---------------------------------------------------------------------------
+    def extend(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+        """One request's prefill chunk u [T,d] from its committed state; updates both states
+        in place (they are views into the state pool)."""
+        z, xbc, dt_raw = self._split(u)
+        xbc = xbc[None]
+        conv_out = self._conv(xbc, conv_state[None])[0]
+        x, Bm, Cm, dt = self._ssm_inputs(conv_out, dt_raw)
+        y, final = ssd_chunked_scan(x, dt, -torch.exp(self.A_log.float()), Bm, Cm,
+                                    ssm_state.float(), self.chunk)
+        self._write_window(conv_state, xbc[0])
+        ssm_state.copy_(final)
+        return self._out(y, x, z)
+
+    def steps(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+              ) -> tuple[torch.Tensor, MambaVerifyState]:
+        """u [Bt,T,d] run recurrently from (conv_state [Bt,C,K-1], ssm_state [Bt,H,P,N]),
+        which are left untouched. Returns outputs and the per-step verify state."""
+        z, xbc, dt_raw = self._split(u)
+        conv_out = self._conv(xbc, conv_state)
+        x, Bm, Cm, dt = self._ssm_inputs(conv_out, dt_raw)
+        y, states = ssm_recurrent_steps(x, dt, -torch.exp(self.A_log.float()), Bm, Cm,
+                                        ssm_state.float())
+        return self._out(y, x, z), MambaVerifyState(xbc=xbc, ssm=states)
+
+    def _write_window(self, conv_state: torch.Tensor, xbc: torch.Tensor) -> None:
+        keep = self.K - 1
+        full = torch.cat([conv_state, xbc.t().to(conv_state.dtype)], dim=1)
+        conv_state.copy_(full[:, -keep:])
+
+    @staticmethod
+    def committed_state(conv_state: torch.Tensor, vs: MambaVerifyState, index: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """States after block position ``index[b]`` (0-based) for each row.
+
+        conv_state [Bt,C,K-1] is the committed window before the block; the window after
+        position i is the last K-1 columns of [window | xbc[:i+1]].
+        """
+        keep = conv_state.shape[-1]
+        full = torch.cat([conv_state, vs.xbc.transpose(1, 2).to(conv_state.dtype)], dim=2)
+        cols = index[:, None] + 1 + torch.arange(keep, device=index.device)[None]   # [Bt,keep]
+        window = torch.gather(full, 2, cols[:, None, :].expand(-1, full.shape[1], -1))
+        ssm = vs.ssm[torch.arange(index.shape[0], device=index.device), index]
+        return window, ssm

@@ -1,0 +1,51 @@
+"""Build a Nemotron-H target from a model folder (dense or ModelOpt-quantized)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from blockspec.checkpoint import TensorSource, load_state, read_config
+from blockspec.models.nemotron_h import NemotronHForCausalLM
+from blockspec.models.nemotron_h_config import NemotronHConfig
+
+log = logging.getLogger("blockspec")
+
+
+def load_quant_plan(path: Path, raw: dict, names: list[str]):
+    """The checkpoint's quantization plan, or None for a dense checkpoint."""
+    has_quant = (path / "hf_quant_config.json").is_file() or "quantization_config" in raw
+    if not has_quant:
+        return None
+    from blockspec.quant.config import load_quant_plan as _load
+
+    plan = _load(path, raw, names)
+    for notice in getattr(plan, "notices", []) if plan is not None else []:
+        log.warning("%s", notice)
+    return plan
+
+
+def load_target(path: str | Path, dtype: torch.dtype, device: torch.device
+                ) -> tuple[NemotronHForCausalLM, NemotronHConfig]:
+    folder = Path(path)
+    raw = read_config(folder)
+    cfg = NemotronHConfig.from_dict(raw)
+    with TensorSource(folder) as src:
+        names = src.names()
+        quant = load_quant_plan(folder, raw, names)
+        with torch.device(device):
+            model = NemotronHForCausalLM(cfg, quant=quant, dtype=dtype)
+        if any(n.startswith("mtp.") for n in names) or cfg.num_nextn_predict_layers:
+            log.warning("checkpoint carries MTP layers (mtp.*); they are not used by blockspec")
+
+        def rename(name: str) -> str | None:
+            if name.startswith("mtp."):
+                return None
+            if cfg.tie_word_embeddings and name == "lm_head.weight":
+                return None
+            return name
+
+        load_state(model, src, rename=rename, what=f"target checkpoint {folder.name}")
+    model.eval()
+    return model, cfg

@@ -1,0 +1,134 @@
+"""Nemotron-H target: pre-norm residual blocks, each one mixer (M Mamba-2, * attention,
+- relu^2 MLP, E MoE), then norm_f and lm_head. Parameter names equal checkpoint names.
+
+The model reads a ``ForwardBatch`` and the caches it is handed; it knows nothing of requests.
+Aux-hidden capture (DFlash/DSpark conditioning) taps the residual stream *before* layer i for
+every i in ``fb.capture_layers`` (index ``num_layers`` means after the last layer, before
+norm_f); with an empty tuple nothing is captured and nothing is paid.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from blockspec.cache import KVPool, MambaStatePool
+from blockspec.forward_batch import ForwardBatch, Mode
+from blockspec.layers.attention import Attention
+from blockspec.layers.linear import QuantPlan, build_linear
+from blockspec.layers.mamba2 import Mamba2Mixer, MambaVerifyState
+from blockspec.layers.moe import MoE, ReluSquaredMLP
+from blockspec.layers.norm import RMSNorm
+from blockspec.models.nemotron_h_config import NemotronHConfig
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor                 # [len(fb.logits_rows), V] fp32
+    aux_hidden: torch.Tensor | None      # [T_total, K*H] when capture was requested
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: NemotronHConfig, i: int, quant: QuantPlan | None,
+                 dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.kind = cfg.block_types[i]
+        prefix = f"backbone.layers.{i}.mixer"
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype)
+        if self.kind == "mamba":
+            self.mixer = Mamba2Mixer(cfg, prefix, quant, dtype)
+        elif self.kind == "attention":
+            self.mixer = Attention(cfg, prefix, quant, dtype)
+        elif self.kind == "mlp":
+            self.mixer = ReluSquaredMLP(prefix, cfg.hidden_size, cfg.intermediate_size,
+                                        cfg.mlp_bias, quant, dtype)
+        else:
+            self.mixer = MoE(cfg, prefix, quant, dtype)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: NemotronHConfig, quant: QuantPlan | None, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embeddings.requires_grad_(False)
+        self.layers = nn.ModuleList(Block(cfg, i, quant, dtype) for i in range(cfg.num_layers))
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, dtype)
+
+
+class NemotronHForCausalLM(nn.Module):
+    def __init__(self, cfg: NemotronHConfig, quant: QuantPlan | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = Backbone(cfg, quant, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = build_linear("lm_head", cfg.hidden_size, cfg.vocab_size, False, quant, dtype)
+        self.mamba_index = {i: n for n, i in enumerate(cfg.layer_ids("mamba"))}
+        self.attn_index = {i: n for n, i in enumerate(cfg.layer_ids("attention"))}
+
+    # ---- shared modules a drafter borrows ----------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.backbone.embeddings(ids)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """norm_f'd hidden -> fp32 logits."""
+        if self.cfg.tie_word_embeddings:
+            return torch.nn.functional.linear(h, self.backbone.embeddings.weight).float()
+        return self.lm_head(h).float()
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(self, fb: ForwardBatch, kv: KVPool | None, mamba: MambaStatePool | None) -> ModelOutput:
+        h = self.embed(fb.input_ids)
+        taps = set(fb.capture_layers)
+        captured: dict[int, torch.Tensor] = {}
+        for i, block in enumerate(self.backbone.layers):
+            if i in taps:
+                captured[i] = h
+            x = block.norm(h)
+            if block.kind == "mamba":
+                out = self._mamba(block.mixer, i, x, fb, mamba)
+            elif block.kind == "attention":
+                n = self.attn_index[i]
+                out = block.mixer(x, fb, kv.k[n], kv.v[n])
+            else:
+                out = block.mixer(x)
+            h = h + out
+        n_layers = len(self.backbone.layers)
+        if n_layers in taps:
+            captured[n_layers] = h
+        aux = torch.cat([captured[i] for i in fb.capture_layers], dim=-1) if taps else None
+        logits = self.compute_logits(self.backbone.norm_f(h[fb.logits_rows]))
+        return ModelOutput(logits=logits, aux_hidden=aux)
+
+    def _mamba(self, mixer: Mamba2Mixer, i: int, x: torch.Tensor, fb: ForwardBatch,
+               pool: MambaStatePool) -> torch.Tensor:
+        n = self.mamba_index[i]
+        conv, ssm = pool.conv[n], pool.ssm[n]
+        if fb.mode == Mode.EXTEND:
+            outs, start = [], 0
+            for b, q in enumerate(fb.q_lens):
+                slot = int(fb.mamba_slots[b])
+                outs.append(mixer.extend(x[start:start + q], conv[slot], ssm[slot]))
+                start += q
+            return torch.cat(outs, dim=0)
+        B, T = fb.batch_size, fb.q_lens[0]
+        slots = fb.mamba_slots
+        out, vs = mixer.steps(x.view(B, T, -1), conv[slots], ssm[slots])
+        if fb.mode == Mode.DECODE:
+            window, state = mixer.committed_state(conv[slots], vs, torch.zeros_like(slots))
+            conv[slots] = window
+            ssm[slots] = state
+        else:
+            fb.verify_states[n] = vs
+        return out.reshape(B * T, -1)
+
+    def commit_verify(self, fb: ForwardBatch, mamba: MambaStatePool, index: torch.Tensor) -> None:
+        """Adopt, for every Mamba layer, the state after block position ``index[b]``."""
+        slots = fb.mamba_slots
+        for n, vs in fb.verify_states.items():
+            assert isinstance(vs, MambaVerifyState)
+            window, state = Mamba2Mixer.committed_state(mamba.conv[n][slots], vs, index)
+            mamba.conv[n][slots] = window
+            mamba.ssm[n][slots] = state
+        fb.verify_states.clear()

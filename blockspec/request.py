@@ -1,0 +1,59 @@
+"""One generation request's life: prompt, committed tokens, cache handles, stop state, stats."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from blockspec.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    return_logprob: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    mamba_slot: int = -1
+    num_cached: int = 0                   # tokens whose KV / Mamba state are committed
+    finish_reason: dict | None = None
+    text: str = ""
+    # speculative decoding statistics
+    spec_verify_ct: int = 0
+    spec_accept_histogram: list[int] = field(default_factory=list)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_cached >= len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    def max_len(self, lookahead: int = 0) -> int:
+        """Positions this request can ever occupy in the cache (reserved at admission)."""
+        return len(self.prompt_ids) + self.params.max_new_tokens + lookahead
+
+    def meta_info(self, speculative: bool) -> dict:
+        info = {"id": self.rid, "prompt_tokens": len(self.prompt_ids),
+                "completion_tokens": len(self.output_ids), "finish_reason": self.finish_reason}
+        if self.return_logprob:
+            info["output_token_logprobs"] = list(self.output_logprobs)
+        if speculative:
+            committed = sum(n * (i + 1) for i, n in enumerate(self.spec_accept_histogram))
+            info["spec_verify_ct"] = self.spec_verify_ct
+            info["spec_accept_length"] = committed / self.spec_verify_ct if self.spec_verify_ct else 0.0
+            info["spec_accept_histogram"] = list(self.spec_accept_histogram)
+        return info

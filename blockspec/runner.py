@@ -1,0 +1,138 @@
+"""ModelRunner: owns the target model and its caches and runs one forward for a batch.
+
+It turns requests into a ``ForwardBatch`` (slots, positions, taps), calls the model, and hands
+back logits (and aux hidden rows when a drafter is attached). It samples nothing and never
+decides which requests run; that is the scheduler's job.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.cache import BlockAllocator, KVPool, MambaStatePool
+from blockspec.forward_batch import ForwardBatch, Mode
+from blockspec.models.nemotron_h import ModelOutput, NemotronHForCausalLM
+from blockspec.request import Request
+
+
+@dataclass
+class CacheSpec:
+    max_total_tokens: int
+    max_running_requests: int
+    page_size: int
+
+
+class ModelRunner:
+    def __init__(self, model: NemotronHForCausalLM, spec: CacheSpec, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model, self.cfg, self.device = model, model.cfg, device
+        cfg = self.cfg
+        num_blocks = -(-spec.max_total_tokens // spec.page_size)
+        self.allocator = BlockAllocator(num_blocks, spec.page_size)
+        n_attn, n_mamba = len(cfg.layer_ids("attention")), len(cfg.layer_ids("mamba"))
+        self.kv = KVPool(n_attn, num_blocks * spec.page_size, cfg.num_key_value_heads,
+                         cfg.head_dim, dtype, device) if n_attn else None
+        self.mamba = MambaStatePool(n_mamba, spec.max_running_requests, cfg.conv_dim,
+                                    cfg.conv_kernel, cfg.mamba_num_heads, cfg.mamba_head_dim,
+                                    cfg.ssm_state_size, dtype, device) if n_mamba else None
+        self.max_running_requests = spec.max_running_requests
+        self.capture_layers: tuple[int, ...] = ()
+
+    # ---- capacity ----------------------------------------------------------------------------
+    def can_admit(self, num_tokens: int) -> bool:
+        slots_ok = self.mamba is None or self.mamba.num_free > 0
+        return slots_ok and self.allocator.blocks_for(num_tokens) <= self.allocator.num_free
+
+    def admit(self, req: Request, num_tokens: int) -> None:
+        """Reserve cache for every position the request may occupy, so decode never runs out."""
+        if not self.allocator.grow(req.block_table, num_tokens):
+            raise RuntimeError("admit called without capacity")
+        if self.mamba is not None:
+            req.mamba_slot = self.mamba.alloc()
+
+    def release(self, req: Request) -> None:
+        self.allocator.release(req.block_table)
+        if self.mamba is not None and req.mamba_slot >= 0:
+            self.mamba.release(req.mamba_slot)
+            req.mamba_slot = -1
+
+    @property
+    def total_tokens(self) -> int:
+        return self.allocator.num_blocks * self.allocator.block_size
+
+    # ---- batches -----------------------------------------------------------------------------
+    def _batch(self, mode: Mode, reqs: list[Request], new_ids: list[list[int]],
+               starts: list[int], logits_all: bool) -> ForwardBatch:
+        dev = self.device
+        q_lens = [len(x) for x in new_ids]
+        ids = torch.tensor([t for x in new_ids for t in x], dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, q_lens)]).to(dev)
+        alloc = self.allocator
+        kv_slots = torch.cat([alloc.slots(r.block_table, s, s + q, dev)
+                              for r, s, q in zip(reqs, starts, q_lens)])
+        seq = [s + q for s, q in zip(starts, q_lens)]
+        ctx = torch.zeros(len(reqs), max(seq), dtype=torch.long, device=dev)
+        for b, r in enumerate(reqs):
+            ctx[b, :seq[b]] = alloc.slots(r.block_table, 0, seq[b], dev)
+        ends = torch.cumsum(torch.tensor(q_lens), 0)
+        rows = torch.arange(int(ends[-1])) if logits_all else ends - 1
+        return ForwardBatch(mode=mode, input_ids=ids, positions=positions, q_lens=q_lens,
+                            prefix_lens=list(starts), kv_slots=kv_slots, ctx_slots=ctx,
+                            mamba_slots=torch.tensor([r.mamba_slot for r in reqs], device=dev),
+                            logits_rows=rows.to(dev), capture_layers=self.capture_layers)
+
+    @torch.inference_mode()
+    def extend(self, chunks: list[tuple[Request, int, int]]) -> ModelOutput:
+        """Prefill prompt positions [start, end) of each request; logits of each last row."""
+        reqs = [c[0] for c in chunks]
+        fb = self._batch(Mode.EXTEND, reqs, [r.prompt_ids[s:e] for r, s, e in chunks],
+                         [s for _, s, _ in chunks], logits_all=False)
+        out = self.model(fb, self.kv, self.mamba)
+        for r, _, e in chunks:
+            r.num_cached = e
+        return out
+
+    @torch.inference_mode()
+    def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Logits at every prompt position ([L, V] fp32 each) in one prefill; caches are
+        borrowed and given back (for evaluation and parity checks)."""
+        reqs = [Request(rid=-1 - i, prompt_ids=list(p), params=None) for i, p in enumerate(prompts)]
+        for r in reqs:
+            if not self.can_admit(len(r.prompt_ids)):
+                raise RuntimeError("score: prompts do not fit the cache")
+            self.admit(r, len(r.prompt_ids))
+        try:
+            fb = self._batch(Mode.EXTEND, reqs, [r.prompt_ids for r in reqs], [0] * len(reqs),
+                             logits_all=True)
+            logits = self.model(fb, self.kv, self.mamba).logits
+        finally:
+            for r in reqs:
+                self.release(r)
+        return list(logits.split([len(p) for p in prompts]))
+
+    @torch.inference_mode()
+    def decode(self, reqs: list[Request]) -> ModelOutput:
+        """One token per request: the last sampled token goes in at position num_cached."""
+        fb = self._batch(Mode.DECODE, reqs, [[r.last_token] for r in reqs],
+                         [r.num_cached for r in reqs], logits_all=False)
+        out = self.model(fb, self.kv, self.mamba)
+        for r in reqs:
+            r.num_cached += 1
+        return out
+
+    @torch.inference_mode()
+    def verify(self, reqs: list[Request], cand: torch.Tensor) -> tuple[ModelOutput, ForwardBatch]:
+        """Target forward over cand [B, T] at positions num_cached.. (committed state untouched)."""
+        fb = self._batch(Mode.VERIFY, reqs, cand.tolist(), [r.num_cached for r in reqs],
+                         logits_all=True)
+        return self.model(fb, self.kv, self.mamba), fb
+
+    @torch.inference_mode()
+    def commit_verify(self, reqs: list[Request], fb: ForwardBatch, accept_len: torch.Tensor) -> None:
+        """Keep a+1 block rows: Mamba adopts the state at index a; KV rows past it are simply
+        beyond the new length (overwritten by the next step)."""
+        if self.mamba is not None:
+            self.model.commit_verify(fb, self.mamba, accept_len.to(self.device))
+        for r, a in zip(reqs, accept_len.tolist()):
+            r.num_cached += a + 1
