@@ -1,0 +1,178 @@
+"""Speculative acceptance: the one place where drafts are accepted or rejected.
+
+Layout shared by every function here. A verify block for request b is
+``cand = [anchor, d_1 .. d_n]`` (``drafts[b] = d_1 .. d_n``); the target forward over cand
+gives rows 0..n, and row i is the target's distribution for the token after cand[0..i].
+So draft ``drafts[:, j]`` is judged by target row j, and row n gives the bonus when every
+draft is accepted. Each function returns ``(accept_len a [B], bonus [B])``; the tokens
+committed this step are ``drafts[b, :a] + [bonus[b]]`` (a + 1 tokens, 1 <= a + 1 <= n + 1).
+
+Everything is a pure function of tensors, parameters and generators; greedy rows consume no
+randomness, sampled rows draw from their own generator only (see ``rejection_accept``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from blockspec.sampling import (
+    SamplingParams,
+    draw_uniforms,
+    inverse_cdf_sample,
+    params_to_tensors,
+    target_probs as make_target_probs,
+)
+
+__all__ = [
+    "greedy_accept",
+    "rejection_accept",
+    "verify_block",
+    "committed_tokens",
+    "build_out_tokens",
+]
+
+
+def _check_block(drafts: torch.Tensor, target: torch.Tensor, name: str) -> tuple[int, int]:
+    if drafts.dim() != 2:
+        raise ValueError(f"drafts must be [B, n], got shape {tuple(drafts.shape)}")
+    b, n = drafts.shape
+    if target.dim() != 3 or target.shape[0] != b or target.shape[1] != n + 1:
+        raise ValueError(f"{name} must be [B, n+1, V] = [{b}, {n + 1}, V] for drafts "
+                         f"{tuple(drafts.shape)}, got {tuple(target.shape)}")
+    return b, n
+
+
+def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest prefix of drafts equal to the target argmax; bonus = target argmax after it.
+
+    This reproduces target-only greedy decoding token for token: every committed token is
+    the target's argmax (first maximum) given the committed prefix before it.
+    """
+    b, n = _check_block(drafts, target_logits, "target_logits")
+    t = target_logits.float().argmax(-1)  # [B, n+1]
+    match = (drafts.to(t.device).long() == t[:, :n]).long()
+    accept_len = match.cumprod(-1).sum(-1) if n else torch.zeros(b, dtype=torch.long, device=t.device)
+    bonus = t.gather(1, accept_len[:, None]).squeeze(1)
+    return accept_len, bonus
+
+
+def rejection_accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None,
+                     target_probs: torch.Tensor,
+                     generators: Sequence[torch.Generator | None],
+                     fallback: torch.Generator | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact speculative rejection sampling (lossless: every emitted token follows p).
+
+    For j = 0..n-1: accept d_j if u_j * q_j(d_j) < p_j(d_j), i.e. with probability
+    min(1, p/q). At the first rejection j, the bonus is drawn from normalize(max(p_j - q_j, 0));
+    if all n are accepted it is drawn from p_n.
+
+    ``target_probs`` [B, n+1, V] and ``draft_probs`` [B, n, V] must be normalised rows
+    (``draft_probs`` = the distribution each draft was really sampled from).
+    ``draft_probs=None`` means point-mass drafts (argmax drafting): q_j = one-hot(d_j), so
+    d_j is accepted with probability p_j(d_j) and the residual is p_j with d_j removed.
+    If a residual has no mass (p == q up to rounding, where rejection has probability 0 in
+    exact arithmetic) the bonus falls back to p_j rather than failing.
+
+    Randomness, fixed order per row: one ``torch.rand(n + 1, float64)`` call on the row's
+    generator (rows with None share ``fallback``); u[0..n-1] are the acceptance coins of
+    d_1..d_n and u[n] is the inverse-CDF uniform of the bonus. All n + 1 are drawn whatever
+    the outcome, so a generator advances by the same amount every verify step.
+    """
+    b, n = _check_block(drafts, target_probs, "target_probs")
+    if draft_probs is not None and tuple(draft_probs.shape) != (b, n, target_probs.shape[-1]):
+        raise ValueError(f"draft_probs must be [B, n, V] = {(b, n, target_probs.shape[-1])}, "
+                         f"got {tuple(draft_probs.shape)}")
+    if len(generators) != b:
+        raise ValueError(f"rejection_accept: {b} rows but {len(generators)} generators")
+    dev = target_probs.device
+    d = drafts.to(dev).long()
+    rows = torch.arange(b, device=dev)
+    u = draw_uniforms(generators, n + 1, fallback, dev)  # [B, n+1] fp64
+
+    # Only the gathered entries and one [B, V] row are promoted to fp64: a full fp64 copy of
+    # [B, n+1, V] would be gigabytes at real vocabulary sizes.
+    p_d = target_probs[:, :n].gather(-1, d[..., None]).squeeze(-1).double()
+    if draft_probs is None:
+        accept = u[:, :n] < p_d
+    else:
+        q_d = draft_probs.to(dev).gather(-1, d[..., None]).squeeze(-1).double()
+        accept = u[:, :n] * q_d < p_d
+    accept_len = accept.long().cumprod(-1).sum(-1) if n else torch.zeros(b, dtype=torch.long, device=dev)
+
+    p_a = target_probs[rows, accept_len].double()  # [B, V]: row a is p_j (rejected) or p_n
+    dist = p_a
+    if n:
+        j = accept_len.clamp_max(n - 1)
+        if draft_probs is None:
+            residual = p_a.scatter(1, d[rows, j][:, None], 0.0)
+        else:
+            residual = (p_a - draft_probs.to(dev)[rows, j].double()).clamp_min(0.0)
+        has_mass = residual.sum(-1, keepdim=True) > 0
+        residual = torch.where(has_mass, residual, p_a)
+        rejected = (accept_len < n)[:, None]
+        dist = torch.where(rejected, residual, p_a)
+    bonus = inverse_cdf_sample(dist, u[:, n])
+    return accept_len, bonus
+
+
+def verify_block(drafts: torch.Tensor, target_logits: torch.Tensor,
+                 draft_probs: torch.Tensor | None, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None],
+                 fallback: torch.Generator | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept a mixed batch: greedy rows by exact match on the raw logits, sampled rows by
+    rejection sampling against ``target_probs`` (temperature, top-k, top-p, min-p) of the
+    same logits. Returns (accept_len, bonus) [B] for all rows in batch order.
+
+    ``draft_probs`` (or None for point-mass drafts) applies to the sampled rows; greedy rows
+    ignore it because a deterministic target needs no q.
+    """
+    b, n = _check_block(drafts, target_logits, "target_logits")
+    if not (len(params) == len(generators) == b):
+        raise ValueError(f"verify_block: {b} rows, {len(params)} params, {len(generators)} generators")
+    dev = target_logits.device
+    vocab = target_logits.shape[-1]
+    accept_len = torch.empty(b, dtype=torch.long, device=dev)
+    bonus = torch.empty(b, dtype=torch.long, device=dev)
+
+    greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+    sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if greedy_rows:
+        g = torch.tensor(greedy_rows, device=dev)
+        accept_len[g], bonus[g] = greedy_accept(drafts.to(dev)[g], target_logits[g])
+    if sampled_rows:
+        s = torch.tensor(sampled_rows, device=dev)
+        temperature, top_k, top_p, min_p = params_to_tensors([params[i] for i in sampled_rows], dev)
+        per_pos = n + 1  # every verify row of a request shares its parameters
+        p = make_target_probs(
+            target_logits[s].reshape(-1, vocab),
+            temperature.repeat_interleave(per_pos), top_k.repeat_interleave(per_pos),
+            top_p.repeat_interleave(per_pos), min_p.repeat_interleave(per_pos),
+        ).view(len(sampled_rows), per_pos, vocab)
+        q = draft_probs.to(dev)[s] if draft_probs is not None else None
+        accept_len[s], bonus[s] = rejection_accept(
+            drafts.to(dev)[s], q, p, [generators[i] for i in sampled_rows], fallback)
+    return accept_len, bonus
+
+
+def committed_tokens(drafts: torch.Tensor, accept_len: torch.Tensor,
+                     bonus: torch.Tensor) -> list[list[int]]:
+    """Per row, the tokens this step commits: drafts[:a] + [bonus] (host lists)."""
+    d = drafts.tolist()
+    return [row[:a] + [t] for row, a, t in zip(d, accept_len.tolist(), bonus.tolist())]
+
+
+def build_out_tokens(drafts: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor,
+                     pad: int = -1) -> torch.Tensor:
+    """Device-side form of ``committed_tokens``: [B, n+1] with row b = drafts[:a] + [bonus]
+    followed by ``pad`` (default -1, so using an uncommitted slot fails loudly)."""
+    b, n = drafts.shape
+    out = torch.full((b, n + 1), pad, dtype=torch.long, device=drafts.device)
+    pos = torch.arange(n + 1, device=drafts.device)[None, :]
+    a = accept_len.to(drafts.device)[:, None]
+    out[:, :n] = torch.where(pos[:, :n] < a, drafts.long(), out[:, :n])
+    out.scatter_(1, a, bonus.to(drafts.device).long()[:, None])
+    return out
