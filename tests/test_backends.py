@@ -1,0 +1,77 @@
+"""Attention-backend resolution: a pure function, table-tested over devices x spec x choice."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from blockspec.args import (BACKENDS, ArgsError, BackendInfo, DeviceInfo,
+                            resolve_attention_backends)
+
+DEVICES = {"cpu": DeviceInfo("cpu"), "sm80": DeviceInfo("cuda", 80), "sm90": DeviceInfo("cuda", 90),
+           "sm100": DeviceInfo("cuda", 100), "sm120": DeviceInfo("cuda", 120)}
+
+# A registry shaped like a fuller engine's, to exercise the preference and capability rules.
+FULL = {
+    "torch_native": BackendInfo("torch_native", ("cpu", "cuda")),
+    "triton": BackendInfo("triton", ("cuda",), min_capability=80, needs_available="triton"),
+    "fa3": BackendInfo("fa3", ("cuda",), min_capability=90, noncausal_blocks=False),
+}
+ORDER = ("fa3", "triton", "torch_native")
+
+
+def resolve(dev, spec, registry=FULL, order=ORDER, available=frozenset({"triton"}), **explicit):
+    kw = dict(attention_backend=None, prefill_attention_backend=None, decode_attention_backend=None,
+              speculative_draft_attention_backend=None)
+    kw.update(explicit)
+    return resolve_attention_backends(DEVICES[dev], speculative_algorithm="DFLASH" if spec else None,
+                                      backends=registry, auto_order=order, available=available, **kw)
+
+
+# (device, spec) -> expected auto (prefill, decode, draft)
+AUTO = {
+    ("cpu", False): ("torch_native", "torch_native", None),
+    ("cpu", True): ("torch_native", "torch_native", "torch_native"),
+    ("sm80", False): ("triton", "triton", None),
+    ("sm80", True): ("triton", "triton", "triton"),
+    ("sm90", False): ("fa3", "fa3", None),
+    ("sm90", True): ("fa3", "fa3", "triton"),      # fa3 cannot run a bidirectional draft block
+    ("sm100", False): ("fa3", "fa3", None),
+    ("sm100", True): ("fa3", "fa3", "triton"),
+    ("sm120", False): ("fa3", "fa3", None),
+    ("sm120", True): ("fa3", "fa3", "triton"),
+}
+
+
+@pytest.mark.parametrize("dev, spec, explicit", list(itertools.product(DEVICES, [False, True], [False, True])))
+def test_table(dev, spec, explicit):
+    if not explicit:
+        r = resolve(dev, spec)
+        assert (r.prefill, r.decode, r.draft) == AUTO[(dev, spec)]
+        return
+    # explicit choices are never overridden
+    r = resolve(dev, spec, attention_backend="torch_native",
+                speculative_draft_attention_backend="torch_native" if spec else None)
+    assert (r.prefill, r.decode) == ("torch_native", "torch_native")
+    assert r.draft == ("torch_native" if spec else None)
+    if dev != "cpu":
+        r = resolve(dev, spec, prefill_attention_backend="triton", decode_attention_backend="torch_native")
+        assert (r.prefill, r.decode) == ("triton", "torch_native")
+
+
+def test_errors_name_flag_and_choices():
+    with pytest.raises(ArgsError, match=r"--attention-backend: unknown attention backend 'flashinfer'; "
+                                        r"choices: auto, fa3, torch_native, triton"):
+        resolve("sm90", False, attention_backend="flashinfer")
+    with pytest.raises(ArgsError, match="'fa3' is not available on cuda sm80"):
+        resolve("sm80", False, decode_attention_backend="fa3")
+    with pytest.raises(ArgsError, match="'triton' is not available on cpu"):
+        resolve("cpu", True, speculative_draft_attention_backend="triton")
+    with pytest.raises(ArgsError, match="'triton' is not available"):
+        resolve("sm90", False, attention_backend="triton", available=frozenset())
+
+
+def test_shipped_registry_resolves_everywhere():
+    for dev, spec in itertools.product(DEVICES, [False, True]):
+        r = resolve(dev, spec, registry=BACKENDS, order=("torch_native",))
+        assert r.decode in BACKENDS and (r.draft in BACKENDS if spec else r.draft is None)
