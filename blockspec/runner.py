@@ -71,16 +71,23 @@ class ModelRunner:
         alloc = self.allocator
         kv_slots = torch.cat([alloc.slots(r.block_table, s, s + q, dev)
                               for r, s, q in zip(reqs, starts, q_lens)])
-        seq = [s + q for s, q in zip(starts, q_lens)]
-        ctx = torch.zeros(len(reqs), max(seq), dtype=torch.long, device=dev)
-        for b, r in enumerate(reqs):
-            ctx[b, :seq[b]] = alloc.slots(r.block_table, 0, seq[b], dev)
+        ctx, _ = self.context_slots(reqs, [s + q for s, q in zip(starts, q_lens)])
         ends = torch.cumsum(torch.tensor(q_lens), 0)
         rows = torch.arange(int(ends[-1])) if logits_all else ends - 1
         return ForwardBatch(mode=mode, input_ids=ids, positions=positions, q_lens=q_lens,
                             prefix_lens=list(starts), kv_slots=kv_slots, ctx_slots=ctx,
                             mamba_slots=torch.tensor([r.mamba_slot for r in reqs], device=dev),
                             logits_rows=rows.to(dev), capture_layers=self.capture_layers)
+
+    def context_slots(self, reqs: list[Request], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots of positions [0, lens[b]) per request, padded to [B, max(lens)] (pad slot 0),
+        and the validity mask. Any paged pool indexed by the shared block tables reads them."""
+        width = max(max(lens), 1)
+        ctx = torch.zeros(len(reqs), width, dtype=torch.long, device=self.device)
+        for b, (r, n) in enumerate(zip(reqs, lens)):
+            ctx[b, :n] = self.allocator.slots(r.block_table, 0, n, self.device)
+        valid = torch.arange(width, device=self.device)[None] < torch.tensor(lens, device=self.device)[:, None]
+        return ctx, valid
 
     @torch.inference_mode()
     def extend(self, chunks: list[tuple[Request, int, int]]) -> ModelOutput:

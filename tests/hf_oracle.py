@@ -30,11 +30,12 @@ CONFIGS = {
 }
 
 
-def build_hf(name: str, seed: int = 0):
-    """A transformers NemotronHForCausalLM with peaked random weights (so greedy is stable)."""
+def build_hf(name: str | dict, seed: int = 0):
+    """A transformers NemotronHForCausalLM with peaked random weights (so greedy is stable);
+    ``name`` is a key of CONFIGS or such a spec dict itself."""
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    spec = dict(CONFIGS[name])
+    spec = dict(CONFIGS[name] if isinstance(name, str) else name)
     pattern = spec.pop("pattern")
     spec.pop("spelling")
     kw = {**BASE, **spec, "layers_block_type": [FROM_PATTERN[c] for c in pattern]}

@@ -29,10 +29,10 @@ def test_chunked_scan_equals_recurrence():
     A = -torch.rand(H, generator=g) - 0.1
     S0 = torch.randn(H, P, N, generator=g)
     for chunk in (1, 4, 16):
-        y, S = ssd_chunked_scan(x, dt, A, B, C, S0, chunk)
+        y, S = ssd_chunked_scan(x[None], dt[None], A, B[None], C[None], S0[None], chunk)
         y_ref, states = ssm_recurrent_steps(x[None], dt[None], A, B[None], C[None], S0[None])
-        torch.testing.assert_close(y, y_ref[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(S, states[0, -1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(S, states[:, -1], rtol=1e-5, atol=1e-5)
 
 
 def test_multi_step_commit_equals_single_steps():
@@ -64,13 +64,13 @@ def test_extend_matches_steps_and_writes_state():
     m = _mixer(3)
     g = torch.Generator().manual_seed(4)
     u = torch.randn(7, 24, generator=g)
-    conv, ssm = torch.zeros(m.conv_dim, 3), torch.zeros(4, 6, 5)
-    out_ext = m.extend(u, conv, ssm)                 # chunked SSD, chunk 3, writes state in place
-    out_steps, vs = m.steps(u[None], torch.zeros(1, m.conv_dim, 3), torch.zeros(1, 4, 6, 5))
-    torch.testing.assert_close(out_ext, out_steps[0], rtol=1e-4, atol=1e-5)
-    win, st = Mamba2Mixer.committed_state(torch.zeros(1, m.conv_dim, 3), vs, torch.tensor([6]))
-    torch.testing.assert_close(conv, win[0])
-    torch.testing.assert_close(ssm, st[0], rtol=1e-4, atol=1e-5)
+    conv0, ssm0 = torch.randn(1, m.conv_dim, 3, generator=g), torch.randn(1, 4, 6, 5, generator=g)
+    out_ext, conv, ssm = m.extend(u[None], conv0, ssm0)     # chunked SSD, chunk 3
+    out_steps, vs = m.steps(u[None], conv0, ssm0)
+    torch.testing.assert_close(out_ext, out_steps, rtol=1e-4, atol=1e-5)
+    win, st = Mamba2Mixer.committed_state(conv0, vs, torch.tensor([6]))
+    torch.testing.assert_close(conv, win)
+    torch.testing.assert_close(ssm, st, rtol=1e-4, atol=1e-5)
 
 
 def test_commit_picks_per_row_index():

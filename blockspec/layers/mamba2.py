@@ -34,31 +34,31 @@ class MambaVerifyState:
 def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                      C: torch.Tensor, state: torch.Tensor, chunk: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked SSD scan for one sequence.
+    """Chunked SSD scan for sequences of equal length.
 
-    x [T,H,P], dt [T,H] (after softplus), A [H], B/C [T,H,N] (already per head), state [H,P,N].
-    Returns y [T,H,P] (without the D skip) and the final state; all fp32.
+    x [Bt,T,H,P], dt [Bt,T,H] (after softplus), A [H], B/C [Bt,T,H,N] (already per head),
+    state [Bt,H,P,N]. Returns y [Bt,T,H,P] (without the D skip) and the final state; fp32.
     """
-    T = x.shape[0]
+    T = x.shape[1]
     ys = []
     S = state
     dA = dt * A
     for c0 in range(0, T, chunk):
         sl = slice(c0, min(T, c0 + chunk))
-        acum = torch.cumsum(dA[sl], dim=0)                        # [q,H]
-        q = acum.shape[0]
-        seg = acum[:, None, :] - acum[None, :, :]                 # [l,s,H]
+        acum = torch.cumsum(dA[:, sl], dim=1)                         # [Bt,q,H]
+        q = acum.shape[1]
+        seg = acum[:, :, None, :] - acum[:, None, :, :]               # [Bt,l,s,H]
         causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
-        L = torch.where(causal[:, :, None], torch.exp(seg), torch.zeros_like(seg))
-        xdt = x[sl] * dt[sl, :, None]                              # [q,H,P]
-        G = torch.einsum("lhn,shn->lsh", C[sl], B[sl])
-        y = torch.einsum("lsh,shp->lhp", G * L, xdt)
-        y = y + torch.einsum("lhn,hpn->lhp", C[sl], S) * torch.exp(acum)[:, :, None]
-        decay = torch.exp(acum[-1:] - acum)                        # [q,H]
-        S = (torch.exp(acum[-1])[:, None, None] * S
-             + torch.einsum("shn,shp->hpn", B[sl] * decay[:, :, None], xdt))
+        L = torch.where(causal[None, :, :, None], torch.exp(seg), torch.zeros_like(seg))
+        xdt = x[:, sl] * dt[:, sl, :, None]                            # [Bt,q,H,P]
+        G = torch.einsum("blhn,bshn->blsh", C[:, sl], B[:, sl])
+        y = torch.einsum("blsh,bshp->blhp", G * L, xdt)
+        y = y + torch.einsum("blhn,bhpn->blhp", C[:, sl], S) * torch.exp(acum)[..., None]
+        decay = torch.exp(acum[:, -1:] - acum)                         # [Bt,q,H]
+        S = (torch.exp(acum[:, -1])[:, :, None, None] * S
+             + torch.einsum("bshn,bshp->bhpn", B[:, sl] * decay[..., None], xdt))
         ys.append(y)
-    return torch.cat(ys, dim=0), S
+    return torch.cat(ys, dim=1), S
 
 
 def ssm_recurrent_steps(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -129,18 +129,18 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self.norm(y, z))
 
     # ---- modes ---------------------------------------------------------------------------
-    def extend(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
-        """One request's prefill chunk u [T,d] from its committed state; updates both states
-        in place (they are views into the state pool)."""
+    def extend(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill chunks of equal length u [Bt,T,d] from the committed states
+        (conv [Bt,C,K-1], ssm [Bt,H,P,N]). Returns (out, new conv window, new ssm state)."""
         z, xbc, dt_raw = self._split(u)
-        xbc = xbc[None]
-        conv_out = self._conv(xbc, conv_state[None])[0]
+        conv_out = self._conv(xbc, conv_state)
         x, Bm, Cm, dt = self._ssm_inputs(conv_out, dt_raw)
         y, final = ssd_chunked_scan(x, dt, -torch.exp(self.A_log.float()), Bm, Cm,
                                     ssm_state.float(), self.chunk)
-        self._write_window(conv_state, xbc[0])
-        ssm_state.copy_(final)
-        return self._out(y, x, z)
+        keep = self.K - 1
+        window = torch.cat([conv_state, xbc.transpose(1, 2).to(conv_state.dtype)], dim=2)[..., -keep:]
+        return self._out(y, x, z), window, final
 
     def steps(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
               ) -> tuple[torch.Tensor, MambaVerifyState]:
@@ -152,11 +152,6 @@ class Mamba2Mixer(nn.Module):
         y, states = ssm_recurrent_steps(x, dt, -torch.exp(self.A_log.float()), Bm, Cm,
                                         ssm_state.float())
         return self._out(y, x, z), MambaVerifyState(xbc=xbc, ssm=states)
-
-    def _write_window(self, conv_state: torch.Tensor, xbc: torch.Tensor) -> None:
-        keep = self.K - 1
-        full = torch.cat([conv_state, xbc.t().to(conv_state.dtype)], dim=1)
-        conv_state.copy_(full[:, -keep:])
 
     @staticmethod
     def committed_state(conv_state: torch.Tensor, vs: MambaVerifyState, index: torch.Tensor

@@ -106,12 +106,22 @@ class NemotronHForCausalLM(nn.Module):
         n = self.mamba_index[i]
         conv, ssm = pool.conv[n], pool.ssm[n]
         if fb.mode == Mode.EXTEND:
-            outs, start = [], 0
+            # requests with equal chunk lengths share one batched chunked scan
+            out = torch.empty_like(x)
+            starts = fb.row_starts()
+            groups: dict[int, list[int]] = {}
             for b, q in enumerate(fb.q_lens):
-                slot = int(fb.mamba_slots[b])
-                outs.append(mixer.extend(x[start:start + q], conv[slot], ssm[slot]))
-                start += q
-            return torch.cat(outs, dim=0)
+                groups.setdefault(q, []).append(b)
+            for q, members in groups.items():
+                idx = torch.tensor(members, device=x.device)
+                rows = (torch.tensor([starts[b] for b in members], device=x.device)[:, None]
+                        + torch.arange(q, device=x.device)[None])
+                slots = fb.mamba_slots[idx]
+                y, window, state = mixer.extend(x[rows], conv[slots], ssm[slots])
+                conv[slots] = window
+                ssm[slots] = state
+                out[rows.reshape(-1)] = y.reshape(-1, y.shape[-1])
+            return out
         B, T = fb.batch_size, fb.q_lens[0]
         slots = fb.mamba_slots
         out, vs = mixer.steps(x.view(B, T, -1), conv[slots], ssm[slots])

@@ -1,0 +1,82 @@
+"""Speculative-decoding fixtures: a low-entropy tiny target (vocab <= 32) saved by transformers,
+and random DFlash / DSpark draft checkpoints written in the published tensor layout.
+
+A shared offset along one direction is added to every target embedding row: it dominates both
+the target's and the draft's residual streams just enough that random drafts agree with the
+target often but not always, so every acceptance length occurs in a short run."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from blockspec.models.dflash import build_draft_model
+from blockspec.models.draft_config import parse_draft_config
+from tests.hf_oracle import build_hf, save_hf
+
+SPEC_TARGET = dict(pattern="ME*-M*E", spelling="new", vocab_size=24)
+
+
+FAVOURITE = 5   # the token the shared offset pushes both target and draft towards
+
+
+def make_spec_target(root: Path, offset: float = 3.0, seed: int = 0, mix: float = 0.2,
+                     pull: float = 1.0) -> tuple[object, Path]:
+    model = build_hf(SPEC_TARGET, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():     # quieter mixers: the embedding steers
+            if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                p.mul_(mix)
+        emb = model.model.embeddings.weight
+        emb[FAVOURITE, 1:] = 0.0                                # the favourite leads to itself
+        emb[:, 0] += offset                                    # shared offset on channel 0
+        model.model.norm_f.weight[0] = 1.0
+        model.lm_head.weight[:, 0] = 0.0                       # only the favourite reads it
+        model.lm_head.weight[FAVOURITE, 0] = pull
+    folder = save_hf(model, root / f"spec_target_{offset}_{mix}_{pull}_{seed}", "new")
+    return model, folder
+
+
+def draft_config(kind: str, *, hidden: int, vocab: int, target_layers: int, block_size: int,
+                 layers: int = 2, head_type: str = "vanilla", sample_from_anchor: bool | None = None,
+                 nemotron: bool = False, target_layer_ids: list[int] | None = None) -> dict:
+    ids = target_layer_ids or [0, target_layers // 2, target_layers - 1]
+    d = {
+        "architectures": ["DFlashDraftModel" if kind == "dflash" else "Qwen3DSparkModel"],
+        "model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 48,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": vocab,
+        "max_position_embeddings": 4096, "block_size": block_size, "num_target_layers": target_layers,
+        "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": ids},
+    }
+    if kind == "dspark":
+        d.update(markov_rank=8, markov_head_type=head_type)
+    if sample_from_anchor is not None:
+        d["dflash_config"]["sample_from_anchor"] = sample_from_anchor
+    if nemotron:
+        d.update(has_embed_tokens=True, has_lm_head=False,
+                 eagle_aux_hidden_state_layer_ids=[i + 1 for i in ids],
+                 quantization_config={"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4",
+                                      "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16}, "targets": ["Linear"]}},
+                                      "ignore": []})
+        d["dflash_config"]["sample_from_anchor"] = False
+    return d
+
+
+def write_draft(folder: Path, cfg_dict: dict, seed: int = 0, std: float = 0.3,
+                target_embedding: torch.Tensor | None = None) -> Path:
+    """Random dense weights under the checkpoint names (a 'model.' prefix on some, as seen in
+    published drafts)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = parse_draft_config(cfg_dict)
+    model = build_draft_model(cfg, None, torch.float32)
+    model.init_random_(std=std, generator=torch.Generator().manual_seed(seed))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if target_embedding is not None and "embed_tokens.weight" in state:
+        state["embed_tokens.weight"] = target_embedding.clone()
+    state = {("model." + k if k.startswith("layers.0.") else k): v for k, v in state.items()}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg_dict, indent=1))
+    return folder
