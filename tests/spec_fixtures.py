@@ -80,3 +80,27 @@ def write_draft(folder: Path, cfg_dict: dict, seed: int = 0, std: float = 0.3,
     save_file(state, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(cfg_dict, indent=1))
     return folder
+
+
+def quantize_draft_w4a16(folder: Path) -> Path:
+    """Rewrite a dense draft in place as a Nemotron-3.5-style W4A16_NVFP4 checkpoint: every Linear
+    (fc, attention, MLP, DSpark markov_w2) and embed_tokens packed, markov_w1 and norms dense."""
+    from safetensors.torch import load_file
+
+    from blockspec.quant.nvfp4 import quantize_nvfp4
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        bare = name.removeprefix("model.")
+        packable = (t.dim() == 2 and bare.endswith(".weight") and "norm" not in bare
+                    and not bare.startswith("markov_head.markov_w1"))
+        if packable:
+            prefix = name[: -len(".weight")]
+            packed, scale, scale2 = quantize_nvfp4(t.to(torch.bfloat16))
+            out[prefix + ".weight"], out[prefix + ".weight_scale"] = packed, scale
+            out[prefix + ".weight_scale_2"] = scale2
+        else:
+            out[name] = t
+    save_file(out, str(folder / "model.safetensors"))
+    return folder

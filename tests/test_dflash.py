@@ -182,3 +182,29 @@ def test_sampling_is_lossless_chi_square(target):
     p = chisquare(obs, [x * scale for x in exp]).pvalue
     assert len(big) >= 3
     assert p > 0.01, (p, list(zip(obs, exp))[:10])
+
+
+def test_nemotron_35_layout_w4a16_greedy_token_exact(target):
+    from tests.spec_fixtures import quantize_draft_w4a16
+
+    root, folder, ref = target
+    from safetensors.torch import load_file as _load
+    emb = _load(str(folder / "model.safetensors"))["backbone.embeddings.weight"]
+    cfg = draft_config("dflash", hidden=HIDDEN, vocab=VOCAB, target_layers=LAYERS, block_size=4, nemotron=True)
+    draft = quantize_draft_w4a16(write_draft(root / "nemotron_dflash", cfg, std=0.05, target_embedding=emb))
+    e = _spec_engine(folder, draft)
+    d = e.drafter.draft
+    assert d.is_nemotron_35 and d.embed_tokens.weight.dtype == torch.uint8   # own packed embedding
+    assert d.layers[0].self_attn.q_proj.weight.dtype == torch.uint8
+    outs = e.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == ref
+    assert all(n > 0 for n in _histogram(outs)), _histogram(outs)
+
+
+def test_generic_draft_with_a_nemotron_field_takes_generic_path(target):
+    root, folder, ref = target
+    cfg = draft_config("dflash", hidden=HIDDEN, vocab=VOCAB, target_layers=LAYERS, block_size=4)
+    cfg["has_embed_tokens"] = True           # one Nemotron field alone changes nothing
+    e = _spec_engine(folder, write_draft(root / "generic_one_field", cfg, std=0.05))
+    assert not e.drafter.draft.is_nemotron_35 and e.drafter.draft.embed_tokens is None
+    assert e.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["output_ids"] == ref[0]

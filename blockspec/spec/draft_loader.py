@@ -40,7 +40,7 @@ def load_draft(path: str | Path, target: NemotronHConfig, dtype: torch.dtype, de
     apply_num_draft_tokens(cfg, num_draft_tokens)
     with TensorSource(folder) as src:
         names = normalize_draft_tensor_names(src.names(), cfg)     # param name -> checkpoint name
-        quant = load_quant_plan(folder, raw, src.names())
+        quant = load_quant_plan(folder, raw, list(names))     # module names in draft space
         with torch.device(device):
             model = build_draft_model(cfg, quant, dtype)
         # config-level mismatches first: they explain a wrong fc shape better than the shape does
