@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--return-logprob", action="store_true")
     g.add_argument("--json", action="store_true", help="print the result dict as JSON")
     _engine_flags(g)
+    b = sub.add_parser("bench", help="decode benchmark: tok/s, step time, achieved GB/s")
+    from blockspec.bench.engine_bench import add_arguments
+
+    add_arguments(b)
     q = sub.add_parser("quantize", help="write a ModelOpt-format quantized checkpoint")
     q.add_argument("--model-path", required=True)
     q.add_argument("--output", required=True)
@@ -84,10 +88,16 @@ def _quantize(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(ns: argparse.Namespace) -> int:
+    from blockspec.bench.engine_bench import main as bench_main
+
+    return bench_main(ns)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     try:
-        return {"generate": _generate, "quantize": _quantize}[ns.command](ns)
+        return {"generate": _generate, "quantize": _quantize, "bench": _bench}[ns.command](ns)
     except (ValueError, RuntimeError, OSError, KeyError) as e:
         print(f"blockspec {ns.command}: error: {e}", file=sys.stderr)
         return 2

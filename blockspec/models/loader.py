@@ -39,8 +39,10 @@ def load_target(path: str | Path, dtype: torch.dtype, device: torch.device
         if any(n.startswith("mtp.") for n in names) or cfg.num_nextn_predict_layers:
             log.warning("checkpoint carries MTP layers (mtp.*); they are not used by blockspec")
 
+        kv_scales = getattr(quant, "kv_scale_names", frozenset())
+
         def rename(name: str) -> str | None:
-            if name.startswith("mtp."):
+            if name.startswith("mtp.") or name in kv_scales:   # FP8-KV scales: cache stays bf16
                 return None
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 return None
