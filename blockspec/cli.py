@@ -83,7 +83,9 @@ def _generate(ns: argparse.Namespace) -> int:
 def _quantize(ns: argparse.Namespace) -> int:
     from blockspec.quant.quantize import quantize_checkpoint
 
-    quantize_checkpoint(ns.model_path, ns.output, ns.quant_algo, recipe=ns.recipe)
+    report = quantize_checkpoint(ns.model_path, ns.output, ns.quant_algo, recipe=ns.recipe)
+    for notice in getattr(report, "notices", []):
+        print(f"notice: {notice}", file=sys.stderr)
     print(f"wrote {ns.quant_algo} checkpoint to {ns.output}")
     return 0
 

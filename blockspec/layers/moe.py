@@ -78,8 +78,45 @@ class MoE(nn.Module):
             self.fc2_latent_proj = build_linear(f"{prefix}.fc2_latent_proj", cfg.moe_latent_size,
                                                 cfg.hidden_size, cfg.mlp_bias, quant, dtype)
 
+    def prepare_grouped(self) -> bool:
+        """When every routed expert is packed NVFP4, stack them once (buffers become views) so
+        GPU steps run all experts of a projection in one grouped W4A16 kernel. Call after
+        loading, on the final device."""
+        from blockspec.quant.linear import NVFP4Linear, stack_nvfp4_experts
+
+        ups = [e.up_proj for e in self.experts]
+        downs = [e.down_proj for e in self.experts]
+        if not all(isinstance(m, NVFP4Linear) for m in ups + downs):
+            return False
+        self._grouped = (stack_nvfp4_experts(ups), stack_nvfp4_experts(downs))
+        return True
+
+    def _use_grouped(self, h: torch.Tensor) -> bool:
+        if getattr(self, "_grouped", None) is None or not h.is_cuda:
+            return False
+        from blockspec.quant.triton_w4a16 import triton_available
+
+        return h.dtype in (torch.bfloat16, torch.float16) and triton_available()
+
+    def routed_grouped(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """All (token, expert) pairs sorted by expert through two grouped W4A16 GEMMs."""
+        from blockspec.quant.triton_w4a16 import grouped_blocks, grouped_w4a16, sort_by_expert
+
+        (wu, su, s2u), (wd, sd, s2d) = self._grouped
+        order, offsets = sort_by_expert(ids, len(self.experts))
+        tok = order // ids.shape[1]
+        x = h[tok]
+        blocks = grouped_blocks(offsets, x.shape[0])
+        up = grouped_w4a16(x, offsets, wu, su, s2u, blocks=blocks)
+        y = grouped_w4a16(relu2(up), offsets, wd, sd, s2d, blocks=blocks)
+        out = torch.zeros(h.shape[0], y.shape[1], dtype=torch.float32, device=h.device)
+        out.index_add_(0, tok, y.float() * w.reshape(-1)[order][:, None])
+        return out.to(h.dtype)
+
     def routed(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Reference expert loop: tokens grouped by expert, weighted sum in fp32."""
+        if self._use_grouped(h):
+            return self.routed_grouped(h, ids, w)
         out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)

@@ -1,0 +1,1 @@
+"""Benchmarks (not timed tests): warm-up, median of repeats, CUDA events."""

@@ -1,0 +1,246 @@
+"""Quantized Linear and Embedding modules holding ModelOpt tensors as they are stored.
+
+Buffers carry the checkpoint names (``weight``, ``weight_scale``, ``weight_scale_2``,
+``input_scale``, ``bias``) so loading stays a name-for-name ``copy_``.  Packed weights stay
+packed in memory: on CPU each forward dequantizes exactly (fp32) and runs ``F.linear`` in the
+input's dtype; on CUDA NVFP4 runs the Triton W4A16 kernel, which decodes in registers.
+
+``input_scale`` of W4A4 (``nvfp4``) and FP8 checkpoints is loaded but never applied: blockspec
+runs both with bf16 activations (see docs/quantization.md).
+
+FP8 on GPU: the weight is dequantized to x's dtype per call (a transient copy, freed after the
+GEMM) and multiplied by cuBLAS.  An FP8 tensor-core GEMM (``torch._scaled_mm``) would quantize
+the activations to E4M3 with the static ``input_scale`` and change the numerics away from the
+bf16 reference, and only the Mamba in/out projections use FP8 in the Lightning layout.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.quant.config import FORMATS, FP8, NVFP4, W4A16_NVFP4
+from blockspec.quant.fp8 import dequantize_fp8
+from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4, dequantize_nvfp4_rows
+
+# Buffers whose dtype is part of the format: ``module.to(dtype)`` / ``.half()`` must only move
+# them, never cast them.
+_FIXED_DTYPE = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+
+
+class _QuantBase(nn.Module):
+    """Shared buffer handling: fixed storage dtypes and shape messages for the loader."""
+
+    fmt: str
+    prefix: str
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        # A model-wide ``.to(torch.bfloat16)`` would otherwise turn fp8 scales and the fp32
+        # global scale into bf16; keep their dtype and honour only the device move.
+        originals = {name: buf for name, buf in self._buffers.items()
+                     if name in _FIXED_DTYPE and buf is not None}
+        super()._apply(fn, recurse)
+        for name, orig in originals.items():
+            buf = self._buffers[name]
+            if buf is not None and buf.dtype != orig.dtype:
+                self._buffers[name] = orig.to(buf.device)
+        return self
+
+    def logical_shape_message(self, local_name: str, found_shape: tuple[int, ...] | torch.Size
+                              ) -> str | None:
+        """Shape error naming the logical [out, in] shape expected and found, or None if fine."""
+        found = tuple(found_shape)
+        buf = self._buffers.get(local_name)
+        if buf is None or tuple(buf.shape) == found:
+            return None
+        out_f, in_f = self._logical_shape()
+        name = f"{self.prefix}.{local_name}" if self.prefix else local_name
+        expected = tuple(buf.shape)
+        if local_name == "weight" and self.fmt in (NVFP4, W4A16_NVFP4):
+            got = _logical_from(found, 2)
+            return (f"{name}: packed NVFP4 weight (2 values per byte) expected stored shape "
+                    f"{list(expected)} = logical [out, in] {[out_f, in_f]}; found stored "
+                    f"{list(found)} = logical {got}")
+        if local_name == "weight_scale" and self.fmt in (NVFP4, W4A16_NVFP4):
+            got = _logical_from(found, GROUP_SIZE)
+            return (f"{name}: NVFP4 block scales (one per {GROUP_SIZE} inputs) expected "
+                    f"{list(expected)} for logical [out, in] {[out_f, in_f]}; found "
+                    f"{list(found)} = logical {got}")
+        return (f"{name}: expected shape {list(expected)} for logical [out, in] "
+                f"{[out_f, in_f]} ({self.fmt}); found {list(found)}")
+
+    def _logical_shape(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+
+def _logical_from(found: tuple[int, ...], factor: int) -> list[int] | str:
+    if len(found) != 2:
+        return f"(not 2-D: {list(found)})"
+    return [found[0], found[1] * factor]
+
+
+class NVFP4Linear(_QuantBase):
+    """NVFP4 weight (``w4a16_nvfp4``, or ``nvfp4`` = W4A4 checkpoint run as W4A16)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype | None = None, prefix: str = "",
+                 has_input_scale: bool = False) -> None:
+        super().__init__()
+        if in_features % GROUP_SIZE:
+            raise ValueError(f"{prefix}: NVFP4 needs in_features % {GROUP_SIZE} == 0, "
+                             f"got in_features={in_features}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.prefix = prefix
+        self.fmt = NVFP4 if has_input_scale else W4A16_NVFP4
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2,
+                                                   dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.zeros(
+            out_features, in_features // GROUP_SIZE, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale_2", torch.zeros((), dtype=torch.float32))
+        if has_input_scale:
+            self.register_buffer("input_scale", torch.zeros((), dtype=torch.float32))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32)
+                             if bias else None)
+
+    def _logical_shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Exactly dequantized [out, in] (fp32 unless asked otherwise)."""
+        return dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            from blockspec.quant.triton_w4a16 import triton_available, w4a16_linear
+
+            if triton_available():
+                return w4a16_linear(x, self.weight, self.weight_scale, self.weight_scale_2,
+                                    self.bias)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dense_weight(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}, "
+                f"bias={self.bias is not None}")
+
+
+class FP8Linear(_QuantBase):
+    """FP8 static per-tensor weight (``fp8``); activations stay in x's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype | None = None, prefix: str = "",
+                 has_input_scale: bool = True) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.prefix = prefix
+        self.fmt = FP8
+        self.register_buffer("weight", torch.zeros(out_features, in_features,
+                                                   dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", torch.zeros((), dtype=torch.float32))
+        if has_input_scale:
+            self.register_buffer("input_scale", torch.zeros((), dtype=torch.float32))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32)
+                             if bias else None)
+
+    def _logical_shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_fp8(self.weight, self.weight_scale, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dense_weight(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fmt=fp8"
+
+
+def make_quant_linear(fmt: str, in_features: int, out_features: int, bias: bool = False,
+                      dtype: torch.dtype | None = None, prefix: str = "") -> nn.Module:
+    """The module for one quantized Linear; ``fmt`` comes from ``QuantPlan.format_for``."""
+    if fmt == W4A16_NVFP4:
+        return NVFP4Linear(in_features, out_features, bias, dtype, prefix, has_input_scale=False)
+    if fmt == NVFP4:
+        return NVFP4Linear(in_features, out_features, bias, dtype, prefix, has_input_scale=True)
+    if fmt == FP8:
+        return FP8Linear(in_features, out_features, bias, dtype, prefix, has_input_scale=True)
+    raise ValueError(f"{prefix}: unknown quantized format {fmt!r}; known: {', '.join(FORMATS)}")
+
+
+class QuantEmbedding(_QuantBase):
+    """Embedding table stored packed (NVFP4) or FP8; lookups dequantize only the rows used."""
+
+    def __init__(self, fmt: str, num_embeddings: int, dim: int,
+                 dtype: torch.dtype | None = None, prefix: str = "") -> None:
+        super().__init__()
+        if fmt not in FORMATS:
+            raise ValueError(f"{prefix}: unknown quantized format {fmt!r}")
+        self.fmt = fmt
+        self.prefix = prefix
+        self.num_embeddings = num_embeddings
+        self.dim = dim
+        self.out_dtype = dtype or torch.float32
+        if fmt == FP8:
+            self.register_buffer("weight", torch.zeros(num_embeddings, dim,
+                                                       dtype=torch.float8_e4m3fn))
+            self.register_buffer("weight_scale", torch.zeros((), dtype=torch.float32))
+        else:
+            if dim % GROUP_SIZE:
+                raise ValueError(f"{prefix}: NVFP4 embedding dim must be a multiple of "
+                                 f"{GROUP_SIZE}, got {dim}")
+            self.register_buffer("weight", torch.zeros(num_embeddings, dim // 2,
+                                                       dtype=torch.uint8))
+            self.register_buffer("weight_scale", torch.zeros(
+                num_embeddings, dim // GROUP_SIZE, dtype=torch.float8_e4m3fn))
+            self.register_buffer("weight_scale_2", torch.zeros((), dtype=torch.float32))
+
+    def _logical_shape(self) -> tuple[int, int]:
+        return self.num_embeddings, self.dim
+
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.fmt == FP8:
+            return dequantize_fp8(self.weight, self.weight_scale, dtype=dtype)
+        return dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if self.fmt == FP8:
+            rows = dequantize_fp8(self.weight[flat], self.weight_scale, dtype=self.out_dtype)
+        else:
+            rows = dequantize_nvfp4_rows(self.weight, self.weight_scale, self.weight_scale_2,
+                                         flat, dtype=self.out_dtype)
+        return rows.reshape(*ids.shape, self.dim)
+
+
+def make_quant_embedding(fmt: str, num_embeddings: int, dim: int,
+                         dtype: torch.dtype | None = None, prefix: str = "") -> QuantEmbedding:
+    """Embedding whose table is stored quantized (e.g. a draft's packed ``embed_tokens``)."""
+    return QuantEmbedding(fmt, num_embeddings, dim, dtype, prefix)
+
+
+def stack_nvfp4_experts(modules: list[NVFP4Linear]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stack loaded per-expert NVFP4 Linears into ``[E, N, K/2]``, ``[E, N, K/16]``, ``[E]``.
+
+    For ``grouped_w4a16``.  Each module's buffers are re-pointed to views of the stacked
+    tensors, so the packed experts stay in memory once.  Call after loading and after moving
+    the model to its device (moving views one by one would copy them apart).
+    """
+    if not modules:
+        raise ValueError("no expert modules to stack")
+    shapes = {(m.weight.shape, m.weight_scale.shape) for m in modules}
+    if len(shapes) != 1:
+        raise ValueError(f"experts differ in shape: {sorted(shapes)}")
+    weight = torch.stack([m.weight for m in modules])
+    scale = torch.stack([m.weight_scale for m in modules])
+    scale2 = torch.stack([m.weight_scale_2.reshape(()) for m in modules])
+    for e, m in enumerate(modules):
+        m.weight = weight[e]
+        m.weight_scale = scale[e]
+        m.weight_scale_2 = scale2[e]
+    return weight, scale, scale2
