@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -70,11 +71,12 @@ def write_random_draft(kind: str, target_folder: Path, block_size: int) -> Path:
     t = json.loads((target_folder / "config.json").read_text())
     n_layers = len(t.get("hybrid_override_pattern") or t.get("layers_block_type"))
     hidden, vocab = t["hidden_size"], t["vocab_size"]
-    heads = max(hidden // 128, 2)
+    head_dim = 128 if hidden >= 1024 else 16
+    heads = max(2 ** int(math.log2(max(hidden // head_dim, 1))), 2)     # power of two: GQA-friendly
     cfg = {"architectures": ["DFlashDraftModel" if kind == "dflash" else "Qwen3DSparkModel"],
            "model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": 2,
            "num_attention_heads": heads, "num_key_value_heads": max(heads // 4, 1),
-           "head_dim": hidden // heads, "intermediate_size": 2 * hidden, "vocab_size": vocab,
+           "head_dim": head_dim, "intermediate_size": 2 * hidden, "vocab_size": vocab,
            "rms_norm_eps": 1e-6, "rope_theta": 1e6, "block_size": block_size,
            "num_target_layers": n_layers,
            "dflash_config": {"mask_token_id": vocab - 1}}
