@@ -152,3 +152,31 @@ def _shape_message(modules: dict[str, nn.Module], target: str, want: list[int], 
 def tensor_names(path: str | Path) -> Iterable[str]:
     with TensorSource(path) as src:
         return src.names()
+
+
+def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder (CPU), names as stored: for whole-checkpoint tools such as
+    ``blockspec quantize`` that need no model."""
+    out: dict[str, torch.Tensor] = {}
+    for f in shard_files(path):
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                if name in out:
+                    raise CheckpointError(f"tensor {name!r} appears in more than one shard")
+                out[name] = handle.get_tensor(name)
+    return out
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path,
+                 metadata: dict[str, str] | None = None) -> None:
+    """save_file that tolerates tensors sharing storage (e.g. one fused global scale)."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    out = {}
+    for k, v in tensors.items():
+        v = v.contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    save_file(out, str(path), metadata={"format": "pt", **(metadata or {})})

@@ -14,6 +14,7 @@ from blockspec import Engine
 from blockspec.checkpoint import CheckpointError
 from blockspec.models.nemotron_h_config import ConfigError
 from blockspec.sampling import SamplingParamsError
+from tests.ckpt_edit import edited_copy
 from tests.hf_oracle import make_checkpoint
 
 
@@ -24,16 +25,7 @@ def folder(tmp_path_factory):
 
 
 def _copy(folder, dst, edit_cfg=None, edit_tensors=None):
-    dst.mkdir()
-    cfg = json.loads((folder / "config.json").read_text())
-    if edit_cfg:
-        edit_cfg(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    tensors = load_file(str(folder / "model.safetensors"))
-    if edit_tensors:
-        edit_tensors(tensors)
-    save_file(tensors, str(dst / "model.safetensors"))
-    return dst
+    return edited_copy(folder, dst, edit_cfg, edit_tensors)
 
 
 def test_missing_config(tmp_path):

@@ -2,16 +2,16 @@
 acceptance length occurs, stats are consistent, and bad drafts fail at load time."""
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from blockspec import Engine
 from blockspec.models.draft_config import DraftConfigError
-from tests.spec_fixtures import draft_config, make_spec_target, write_draft
+from tests.ckpt_edit import edited_copy
+from tests.spec_fixtures import (draft_config, make_spec_target, two_token_chi_square_pvalue,
+                                 write_draft)
 
 VOCAB, HIDDEN, LAYERS = 24, 32, 7
 PROMPTS = [[(3 + 5 * i) % 23, (5 + 3 * i) % 23, 7 + i % 3, 11, 2 + i][: 2 + i % 4] for i in range(16)]
@@ -99,18 +99,7 @@ def test_mixed_greedy_and_sampled_batch(target):
 
 
 def _edit_draft(root, name, cfg_edit=None, tensor_edit=None):
-    src = _draft(root, 4)
-    dst = root / name
-    dst.mkdir()
-    cfg = json.loads((src / "config.json").read_text())
-    if cfg_edit:
-        cfg_edit(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    t = load_file(str(src / "model.safetensors"))
-    if tensor_edit:
-        tensor_edit(t)
-    save_file(t, str(dst / "model.safetensors"))
-    return dst
+    return edited_copy(_draft(root, 4), root / name, cfg_edit, tensor_edit)
 
 
 @pytest.mark.parametrize("name, cfg_edit, tensor_edit, message", [
@@ -136,52 +125,16 @@ def test_algorithm_must_match_checkpoint(target):
                speculative_draft_model_path=str(_draft(root, 4)))
 
 
-def _exact_two_token_joint(engine, prompt, params):
-    """p(t1, t2) of target-only sampling, from the target's own logits (no speculation)."""
-    from blockspec.sampling import SamplingParams, params_to_tensors, target_probs
-
-    sp = SamplingParams.from_dict(params)
-    tens = params_to_tensors([sp], torch.device("cpu"))
-    p1 = target_probs(engine.runner.score([prompt])[0][-1:], *tens)[0]
-    support = p1.nonzero().flatten().tolist()
-    rows = engine.runner.score([prompt + [t] for t in support])
-    joint = {}
-    for t, logits in zip(support, rows):
-        p2 = target_probs(logits[-1:], *tens)[0]
-        for u in p2.nonzero().flatten().tolist():
-            joint[(t, u)] = float(p1[t] * p2[u])
-    return joint
-
-
 def test_sampling_is_lossless_chi_square(target):
-    from scipy.stats import chisquare
-
     root, folder, _ = target
     params = {"max_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "ignore_eos": True}
-    prompt = [7, 5]
-    n = 20000
+    prompt, n = [7, 5], 20000
     e = _spec_engine(folder, _draft(root, 4), max_running_requests=2500, max_total_tokens=2500 * 10)
     outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
     assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) == n   # the 2nd token came from a verify
     hist = _histogram(outs)
     assert hist[0] > 0 and sum(hist[1:]) > 0, hist                  # drafts both rejected and accepted
-    counts: dict[tuple[int, int], int] = {}
-    for o in outs:
-        key = tuple(o["output_ids"])
-        counts[key] = counts.get(key, 0) + 1
-    joint = _exact_two_token_joint(e, prompt, params)
-    assert set(counts) <= set(joint), "sampled a pair the target gives probability 0"
-    keys = sorted(joint, key=lambda k: -joint[k])
-    big = [k for k in keys if joint[k] * n >= 5]
-    small = [k for k in keys if joint[k] * n < 5]
-    obs = [counts.get(k, 0) for k in big] + [sum(counts.get(k, 0) for k in small)]
-    exp = [joint[k] * n for k in big] + [sum(joint[k] for k in small) * n]
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    scale = sum(obs) / sum(exp)
-    p = chisquare(obs, [x * scale for x in exp]).pvalue
-    assert len(big) >= 3
-    assert p > 0.01, (p, list(zip(obs, exp))[:10])
+    assert two_token_chi_square_pvalue(e, outs, prompt, params) > 0.01
 
 
 def test_nemotron_35_layout_w4a16_greedy_token_exact(target):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from blockspec import Engine
-from tests.spec_fixtures import draft_config, make_spec_target, quantize_draft_w4a16, write_draft
-from tests.test_dflash import GREEDY, HIDDEN, LAYERS, PROMPTS, VOCAB, _exact_two_token_joint
+from tests.spec_fixtures import (draft_config, make_spec_target, quantize_draft_w4a16,
+                                 two_token_chi_square_pvalue, write_draft)
+from tests.test_dflash import GREEDY, HIDDEN, LAYERS, PROMPTS, VOCAB
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +69,6 @@ def test_num_draft_tokens_sets_gamma(target):
 
 
 def test_sampling_is_lossless_chi_square(target):
-    from scipy.stats import chisquare
-
     root, folder, _, _ = target
     params = {"max_new_tokens": 2, "temperature": 0.7, "top_p": 0.9, "ignore_eos": True}
     prompt, n = [7, 5], 20000
@@ -78,17 +77,4 @@ def test_sampling_is_lossless_chi_square(target):
     outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
     hist = _hist(outs)
     assert hist[0] > 0 and sum(hist[1:]) > 0, hist
-    counts: dict[tuple[int, int], int] = {}
-    for o in outs:
-        counts[tuple(o["output_ids"])] = counts.get(tuple(o["output_ids"]), 0) + 1
-    joint = _exact_two_token_joint(e, prompt, params)
-    assert set(counts) <= set(joint)
-    keys = sorted(joint, key=lambda k: -joint[k])
-    big = [k for k in keys if joint[k] * n >= 5]
-    small = [k for k in keys if joint[k] * n < 5]
-    obs = [counts.get(k, 0) for k in big] + [sum(counts.get(k, 0) for k in small)]
-    exp = [joint[k] * n for k in big] + [sum(joint[k] for k in small) * n]
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    scale = sum(obs) / sum(exp)
-    assert chisquare(obs, [x * scale for x in exp]).pvalue > 0.01
+    assert two_token_chi_square_pvalue(e, outs, prompt, params) > 0.01

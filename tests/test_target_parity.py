@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from blockspec import Engine
 from tests.hf_oracle import CONFIGS, hf_greedy, hf_logits, make_checkpoint

@@ -62,7 +62,7 @@ def logits_with_argmax(t: list[list[int]], vocab: int, gen: torch.Generator) -> 
 
 def test_greedy_accept_every_length():
     gen = torch.Generator().manual_seed(0)
-    vocab, n = 6, 3
+    vocab = 6
     t = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [5, 0, 5, 0]]
     drafts = torch.tensor([
         [0, 2, 3],  # a = 0 (the later matches must not count)

@@ -20,7 +20,7 @@ from typing import Mapping
 
 import torch
 
-from blockspec.quant.checkpoint_io import load_tensors, read_config, save_tensors
+from blockspec.checkpoint import load_tensors, read_config, save_tensors
 from blockspec.quant.config import FP8, NVFP4, W4A16_NVFP4, load_quant_plan
 from blockspec.quant.fp8 import dequantize_fp8, fp8_scale, quantize_fp8
 from blockspec.quant.nvfp4 import (E2M1_MAX, E4M3_MAX, GROUP_SIZE, dequantize_nvfp4,
