@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from torch.profiler import record_function
 
 from blockspec.request import Request
 from blockspec.runner import ModelRunner
@@ -109,8 +110,10 @@ class Scheduler:
     def _decode_step(self) -> list[Request]:
         reqs = list(self.running)
         if self.drafter is None:
-            out = self.runner.decode(reqs)
-            self._sample_and_append(reqs, out.logits)
+            with record_function("decode.forward"):
+                out = self.runner.decode(reqs)
+            with record_function("decode.sample"):
+                self._sample_and_append(reqs, out.logits)
         else:
             for req, (tokens, lps) in zip(reqs, self.drafter.step(reqs)):
                 self._append(req, tokens, lps)

@@ -8,6 +8,7 @@ written once per committed row and never copied.
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from blockspec.args import EngineArgs
 from blockspec.cache import KVPool
@@ -56,15 +57,19 @@ class SpecWorker:
         gens = [r.generator for r in reqs]
         anchor = torch.tensor([r.last_token for r in reqs], device=dev)
         committed = [r.num_cached for r in reqs]
-        drafts, q = self._propose(reqs, anchor, torch.tensor(committed, device=dev), params, gens)
-        cand = torch.cat([anchor[:, None], drafts], dim=1)
-        out, fb = self.runner.verify(reqs, cand)
-        logits = out.logits.view(B, T, -1)
-        acc, bonus = verify_block(drafts, logits, q, params, gens, self.fallback)
-        self.runner.commit_verify(reqs, fb, acc)
-        keep = torch.arange(T, device=dev)[None] <= acc[:, None]                 # [B, T]
-        rows = keep.reshape(-1)
-        self._write_context(out.aux_hidden[rows], fb.positions[rows], fb.kv_slots[rows])
+        with record_function("spec.propose"):
+            drafts, q = self._propose(reqs, anchor, torch.tensor(committed, device=dev), params, gens)
+        with record_function("spec.verify_forward"):
+            cand = torch.cat([anchor[:, None], drafts], dim=1)
+            out, fb = self.runner.verify(reqs, cand)
+        with record_function("spec.accept"):
+            logits = out.logits.view(B, T, -1)
+            acc, bonus = verify_block(drafts, logits, q, params, gens, self.fallback)
+        with record_function("spec.commit"):
+            self.runner.commit_verify(reqs, fb, acc)
+            keep = torch.arange(T, device=dev)[None] <= acc[:, None]                 # [B, T]
+            rows = keep.reshape(-1)
+            self._write_context(out.aux_hidden[rows], fb.positions[rows], fb.kv_slots[rows])
         toks = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, acc[:, None], bonus[:, None])
         want_lp = any(r.return_logprob for r in reqs)
         lps = logprobs_of(logits.reshape(B * T, -1), toks.reshape(-1)).view(B, T) if want_lp else None
