@@ -1,8 +1,13 @@
 """Triton W4A16 kernels against the pure-torch reference.
 
-CPU: runs through the Triton interpreter (TRITON_INTERPRET=1) when triton is importable.
-GPU (``-m gpu``): compiled kernels on Lightning shapes, bf16, relative error <= 1e-2.
+CPU: runs through the Triton interpreter (TRITON_INTERPRET=1) when triton is importable; every
+v2 variant runs the same exact fp32 decode there, so the CPU tests check indexing, splits and
+masks, not the PTX decode.
+GPU (``-m gpu``): every variant compiled (the inline-PTX decode included) on Lightning shapes,
+odd N and K = 16 * odd, dense and grouped, bf16, relative error <= 1e-2.
 """
+import functools
+
 import pytest
 import torch
 
@@ -64,7 +69,8 @@ def interpreter(monkeypatch):
 def test_dense_kernel_interpreter(interpreter, m, n, k, split_k, block_k):
     p, s, s2 = _weights(n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).bfloat16()
-    y = tw.w4a16_linear(x, p, s, s2, split_k=split_k, block_k=block_k, block_n=32)
+    y = tw.w4a16_linear(x, p, s, s2, variant="v1", split_k=split_k, block_k=block_k,
+                        block_n=32)
     ref = tw.w4a16_linear_reference(x, p, s, s2)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     assert _rel(y, ref) <= 1e-2
@@ -74,11 +80,12 @@ def test_dense_kernel_interpreter(interpreter, m, n, k, split_k, block_k):
 
 
 @needs_triton
-def test_dense_kernel_bias_and_leading_dims(interpreter):
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_dense_kernel_bias_and_leading_dims(interpreter, variant):
     p, s, s2 = _weights(32, 64, seed=3)
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(8)).bfloat16()
     bias = torch.randn(32).bfloat16()
-    y = tw.w4a16_linear(x, p, s, s2, bias, block_k=64, block_n=32)
+    y = tw.w4a16_linear(x, p, s, s2, bias, variant=variant, block_k=64, block_n=32)
     ref = tw.w4a16_linear_reference(x, p, s, s2, bias)
     assert y.shape == (2, 3, 32) and _rel(y, ref) <= 1e-2
 
@@ -90,12 +97,63 @@ def test_grouped_kernel_interpreter(interpreter):
     offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist())
     x = torch.randn(sum(counts), 64, generator=torch.Generator().manual_seed(9)).bfloat16()
     for split in (1, 2):
-        y = tw.grouped_w4a16(x, offsets, w, s, s2, block_k=32, block_n=16, split_k=split)
+        y = tw.grouped_w4a16(x, offsets, w, s, s2, variant="v1", block_k=32, block_n=16,
+                             split_k=split)
         ref = tw.grouped_w4a16_reference(x, offsets, w, s, s2)
         assert _rel(y, ref) <= 1e-2
         for e in (0, 2, 3):  # each expert's rows really used its own weights
             a, b = offsets[e].item(), offsets[e + 1].item()
             assert _rel(y[a:b], tw.w4a16_linear_reference(x[a:b], w[e], s[e], s2[e])) <= 1e-2
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["v2", "v2w"])
+@pytest.mark.parametrize("m, n, k, cfg", [
+    (1, 48, 64, {"block_n": 16, "block_k": 64}),
+    (5, 40, 96, {"split_k": 2, "block_k": 64}),        # K = 16 * 6: masked K block
+    (20, 70, 176, {"split_k": 3, "block_n": 32, "block_k": 64}),  # odd N, K = 16 * 11
+    (3, 64, 256, {"k_slices": 2, "block_n": 32, "block_k": 64}),  # batched K slices (v2)
+    (3, 64, 384, {"split_k": 2}),                      # scales read as int32 words
+    (33, 128, 128, {}),                                # default config: swapped, BLOCK_M = 32
+])
+def test_dense_v2_interpreter(interpreter, variant, m, n, k, cfg):
+    if variant == "v2w":
+        if cfg.get("k_slices", 1) != 1:
+            pytest.skip("v2w has no K slices")
+        cfg = {**cfg, "block_n": 64}
+    p, s, s2 = _weights(n, k, seed=m + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    y = tw.w4a16_linear(x, p, s, s2, variant=variant, **cfg)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    # v2 multiplies exact E2M1 * E4M3 products and applies weight_scale_2 in fp32: against the
+    # exact fp32 product only the bf16 output rounding remains.
+    exact = x.float() @ dequantize_nvfp4(p, s, s2, torch.float32).T
+    assert _rel(y, exact) <= 3e-3
+    assert _rel(y, tw.w4a16_linear_reference(x, p, s, s2)) <= 1e-2
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", ["v2", "v2w"])
+def test_grouped_v2_interpreter(interpreter, variant):
+    w, s, s2 = _weights(64, 128, seed=12, experts=5)
+    counts = [3, 0, 17, 1, 0]
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist())
+    x = torch.randn(sum(counts), 128, generator=torch.Generator().manual_seed(9)).bfloat16()
+    ref = tw.grouped_w4a16_reference(x, offsets, w, s, s2)
+    for split in (1, 2):
+        y = tw.grouped_w4a16(x, offsets, w, s, s2, variant=variant, block_k=64, block_n=64,
+                             split_k=split)
+        assert _rel(y, ref) <= 1e-2
+
+
+def test_variant_selection(monkeypatch):
+    monkeypatch.delenv(tw.VARIANT_ENV, raising=False)
+    assert tw.default_variant() == "v2"          # picked by the H200 run (docs/benchmarks.md)
+    monkeypatch.setenv(tw.VARIANT_ENV, "v1")
+    assert tw.default_variant() == "v1"
+    monkeypatch.setenv(tw.VARIANT_ENV, "v9")
+    with pytest.raises(ValueError, match="v9"):
+        tw.default_variant()
 
 
 def test_kernel_input_checks():
@@ -106,39 +164,121 @@ def test_kernel_input_checks():
 
 # ---------------------------------------------------------------- GPU (run on the H200)
 LIGHTNING_SHAPES = [(1856, 2688), (2688, 1856), (3712, 2688), (131072, 2688)]
+# N not a multiple of any block, K = 16 * odd (masked K blocks, scale rows of odd length).
+ODD_SHAPES = [(1000, 2688), (520, 16 * 77)]
+gpu = pytest.mark.gpu
 
 
-@pytest.mark.gpu
+@functools.lru_cache(maxsize=8)
+def _gpu_weights(n, k, experts=None):
+    """Fresh random NVFP4 weights made on the GPU (the CPU quantizer is slow at lm_head size)."""
+    g = torch.Generator(device="cuda").manual_seed(n * 7 + k + (experts or 0))
+    shape = (n, k) if experts is None else (experts, n, k)
+    w = torch.randn(shape, device="cuda", generator=g) * 0.05
+    if experts is not None:
+        w = w * (1 + torch.arange(experts, device="cuda") % 3)[:, None, None]
+        ps, ss, s2s = zip(*(quantize_nvfp4(w[e].bfloat16()) for e in range(experts)))
+        return torch.stack(ps), torch.stack(ss), torch.stack(s2s)
+    return quantize_nvfp4(w.bfloat16())
+
+
+@gpu
 @needs_cuda
 @needs_triton
-@pytest.mark.parametrize("n, k", LIGHTNING_SHAPES)
-@pytest.mark.parametrize("m", [1, 4, 16, 64])
-def test_dense_kernel_gpu(n, k, m):
-    p, s, s2 = _weights(n, k, seed=n + m, device="cuda")
+@pytest.mark.parametrize("variant", tw.VARIANTS)
+@pytest.mark.parametrize("n, k", LIGHTNING_SHAPES + ODD_SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+def test_dense_kernel_gpu(variant, n, k, m):
+    p, s, s2 = _gpu_weights(n, k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    y = tw.w4a16_linear(x, p, s, s2)
+    y = tw.w4a16_linear(x, p, s, s2, variant=variant)
     ref = tw.w4a16_linear_reference(x, p, s, s2)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
     assert _rel(y, ref) <= 1e-2
 
 
-@pytest.mark.gpu
+@gpu
 @needs_cuda
 @needs_triton
-@pytest.mark.parametrize("n, k", [(1856, 2688), (2688, 1856)])
-@pytest.mark.parametrize("tokens", [1, 16, 64])
-def test_grouped_kernel_gpu(n, k, tokens):
+@pytest.mark.parametrize("variant", [v for v in tw.VARIANTS if v != "v1"])
+def test_v2_decode_exact_on_gpu(variant):
+    """Every code, subnormal E4M3 block scales and all-zero blocks: each output row must equal
+    the exact fp32 product up to the bf16 output rounding (a wrong decode of a rare code or of a
+    tiny scale would hide in a whole-matrix norm, so rows are checked one by one)."""
+    n, k = 128, 1024
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(n, k, device="cuda", generator=g)
+    w[0, 0] = 400.0                       # sets weight_scale_2
+    w[1:32] *= torch.logspace(-2.3, -3.5, 31, device="cuda")[:, None]  # subnormal E4M3 scales
+    w[32:40, 64:128] = 0.0                # all-zero blocks (scale 1.0)
+    w[40:56] = torch.tensor([0.0, 0.5, 1, 1.5, 2, 3, 4, 6], device="cuda").repeat(k // 8)
+    w[48:56] *= -1                        # every E2M1 magnitude, both signs
+    p, s, s2 = quantize_nvfp4(w.bfloat16())
+    assert (s.view(torch.uint8)[1:32] < 8).sum() > 100  # many scales really are subnormal
+    x = torch.randn(16, k, device="cuda", generator=g).bfloat16()
+    exact = x.double() @ dequantize_nvfp4(p, s, s2, torch.float32).double().T
+    y = tw.w4a16_linear(x, p, s, s2, variant=variant).double()
+    norm = exact.norm(dim=0)
+    err = (y - exact).norm(dim=0) / norm.clamp_min(1e-30)
+    assert err[norm > 0].max() <= 4e-3
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("variant", [v for v in tw.VARIANTS if v != "v1"])
+def test_v2_split_k_counters_replay_in_cuda_graph(variant):
+    """The in-kernel split-K reduction resets its tile counters: eager calls and CUDA-graph
+    replays keep giving the right answer."""
+    n, k = 1856, 2688
+    p, s, s2 = _gpu_weights(n, k)
+    x = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+    ref = tw.w4a16_linear_reference(x, p, s, s2)
+    for _ in range(3):
+        assert _rel(tw.w4a16_linear(x, p, s, s2, variant=variant, split_k=4), ref) <= 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = tw.w4a16_linear(x, p, s, s2, variant=variant, split_k=4)
+    for _ in range(3):
+        y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(y, ref) <= 1e-2
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("variant", tw.VARIANTS)
+@pytest.mark.parametrize("n, k", [(1856, 2688), (2688, 1856), (200, 16 * 21)])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 64])
+def test_grouped_kernel_gpu(variant, n, k, tokens):
     e, top_k = 128, 6
-    w, s, s2 = _weights(n, k, seed=tokens, experts=e, device="cuda")
-    topk = torch.stack([torch.randperm(e)[:top_k] for _ in range(tokens)]).cuda()
+    w, s, s2 = _gpu_weights(n, k, experts=e)
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    topk = torch.stack([torch.randperm(e, device="cuda", generator=g)[:top_k]
+                        for _ in range(tokens)])
     order, offsets = tw.sort_by_expert(topk, e)
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     xs = x[order // top_k]
-    y = tw.grouped_w4a16(xs, offsets, w, s, s2)
+    y = tw.grouped_w4a16(xs, offsets, w, s, s2, variant=variant)
     ref = tw.grouped_w4a16_reference(xs, offsets, w, s, s2)
     assert _rel(y, ref) <= 1e-2
 
 
-@pytest.mark.gpu
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("variant", tw.VARIANTS)
+def test_fp16_activations_gpu(variant):
+    p, s, s2 = _gpu_weights(1856, 2688)
+    x = torch.randn(4, 2688, device="cuda", dtype=torch.float16)
+    y = tw.w4a16_linear(x, p, s, s2, variant=variant)
+    assert y.dtype == torch.float16
+    assert _rel(y, tw.w4a16_linear_reference(x, p, s, s2)) <= 1e-2
+
+
+@gpu
 @needs_cuda
 @needs_triton
 def test_nvfp4_linear_module_on_gpu_matches_cpu():

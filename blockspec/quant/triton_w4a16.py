@@ -21,6 +21,33 @@ bit; only the fp32 summation order differs from the reference.
 Triton is imported lazily (CPU CI may not have it).  ``TRITON_INTERPRET=1`` runs the kernel on
 CPU tensors; the interpreter's bf16 ``tl.dot`` is broken, so there the dot runs on fp32 copies of
 the same bf16 values.
+
+Two kernels, chosen by ``variant=`` or the environment variable ``BLOCKSPEC_W4A16_VARIANT``
+(``default_variant()``; ``v2`` unless told otherwise):
+
+- ``v1``: the kernel described above.  On an H200 it is issue-bound: ~16 SASS instructions per
+  weight per thread (the K mask defeats vectorized loads, the decode runs in fp32, the
+  transposed tile goes to shared memory 2 bytes at a time): lm_head at ~1.0 TB/s.
+- ``v2``: W is read as uint16 words of 4 nibbles (K order 4i..4i+3), so a K block is 4 dots over
+  "nibble streams" r = 0..3, and x as int64 words (4 bf16) split the same way: a dot's K order
+  is free as long as x and W agree, so no register reshapes are needed.  Weights, x and (as
+  int32 words) scales are staged by cp.async; Triton converts the *packed* words to the MMA
+  operand layout and each thread decodes whole 16-weight scale groups in registers.  The decode
+  is exact: nibble ``s e1 e0 m`` as bf16 bits ``s << 15 | (e1 e0 m) << 6`` is E2M1 * 2^-126
+  (subnormal included); the block scale becomes bf16 ``scale * 2^118`` (exact, via fp16 and
+  fp32); their bf16 product is E2M1 * scale * 2^-8 exactly (<= 6 significant bits); and
+  ``weight_scale_2 * 2^8`` scales the fp32 accumulator at the end.  The MMA thus sees exact
+  E2M1 * E4M3 products (more precise than the reference, which rounds the scaled weight to
+  bf16).  Inline PTX does the nibble work: a lane-clean nibble times 0x1040 lands both at << 6
+  (magnitude -> bits 8..6) and << 12 (sign -> bit 15) without carries, so 3 integer ops and
+  one bf16x2 multiply make 2 weights (~3.5 instructions per weight in all, lm_head at
+  ~2.5 TB/s).  M <= 16 uses mma with the weights as B; larger M swaps to ``W @ x^T`` so wgmma
+  reads x from shared memory (``v2_default_config``).  Split-K partials are summed inside the
+  kernel by the last CTA of each tile (per-stream tile counters that it resets), so a call is
+  one launch.
+- ``v2w``: v2 always swapped (wgmma); ``v2t``: v2 with a pure-Triton decode (comparison).
+
+Under ``TRITON_INTERPRET=1`` every v2 variant runs the same kernel with an exact fp32 decode.
 """
 from __future__ import annotations
 
@@ -146,6 +173,263 @@ def _kernels(interpret: bool):
     return _w4a16_kernel
 
 
+# DECODE values of the v2 kernel: pure-Triton bf16 decode, inline-PTX bf16 decode, fp32 decode
+# (the interpreter, whose bf16 dot and casts are unreliable).
+_DEC_TRITON, _DEC_ASM, _DEC_FP32 = 0, 1, 2
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels_v2(interpret: bool):
+    """Build the v2 kernel (see the module docstring); cached per mode like ``_kernels``.
+
+    Self-contained on purpose (literal constants, no helper functions): the interpreter re-runs
+    the kernel's source against module globals only, so closures would not resolve there.
+    """
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _w4a16_v2_kernel(
+        x_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, part_ptr, cnt_ptr,
+        blk_expert_ptr, blk_row0_ptr, blk_row1_ptr,
+        M, N, K, k_per_split, num_tiles,
+        stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SLICES: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, DECODE: tl.constexpr,
+        GROUPED: tl.constexpr,
+        EVEN_N: tl.constexpr, MASK_K: tl.constexpr, SCALE_WORDS: tl.constexpr,
+        K_ITERS: tl.constexpr,
+    ):
+        pid_b = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        if GROUPED:  # row-block table (issued together: one round trip before the weights)
+            row0 = tl.load(blk_row0_ptr + pid_b)
+            row1 = tl.load(blk_row1_ptr + pid_b)
+            expert = tl.load(blk_expert_ptr + pid_b).to(tl.int64)
+            if row0 >= row1:  # padding block of the grouped grid
+                return
+        else:  # dense: no table to wait for
+            row0 = pid_b * BLOCK_M
+            row1 = tl.minimum(row0 + BLOCK_M, M)
+            expert = 0
+        # weight_scale_2, times the 2^8 that the exact decode below leaves out.
+        gscale = tl.load(ws2_ptr + expert) * 256.0
+
+        QK: tl.constexpr = BLOCK_K // 4       # uint16 words of W (int64 words of x) per slice
+        GROUPS: tl.constexpr = BLOCK_K // 16  # scale bytes per slice
+        # Scales are read as int32 words (4 bytes) when rows allow it: a 4-byte load per thread
+        # is what lets Triton's pipeliner stage it with cp.async like the weights, instead of
+        # waiting a full memory round trip for the scale bytes in every iteration (lm_head:
+        # 102 -> 81 us on an H200).  Only for BLOCK_K >= 128: with one word per row the
+        # byte shuffle costs more shared-memory round trips than it saves.
+        GS: tl.constexpr = GROUPS // 4 if SCALE_WORDS else GROUPS
+        CHUNK: tl.constexpr = BLOCK_K * SLICES
+        RANK3: tl.constexpr = SLICES > 1      # slices of K side by side: a batched dot
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row1
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = cols < N
+        jq = tl.arange(0, QK)
+        jg = tl.arange(0, GS)
+        w_base = (w_ptr + expert * stride_we).to(tl.pointer_type(tl.uint16))
+        s_base = ws_ptr + expert * stride_se
+        if SCALE_WORDS:
+            s_base = s_base.to(tl.pointer_type(tl.int32))
+            stride_sn = stride_sn // 4
+        x_base = x_ptr.to(tl.pointer_type(tl.int64))
+        cols64 = cols.to(tl.int64)
+        rows64 = rows.to(tl.int64)
+        if RANK3:
+            js = tl.arange(0, SLICES)
+            kq = (js * QK)[:, None, None] + jq[None, None, :]
+            kg = (js * GS)[:, None, None] + jg[None, None, :]
+            w_ptrs = w_base + cols64[None, :, None] * (stride_wn // 2) + kq
+            s_ptrs = s_base + cols64[None, :, None] * stride_sn + kg
+            x_ptrs = x_base + rows64[None, :, None] * (stride_xm // 4) + kq
+            wmask = nmask[None, :, None]
+            xmask = rmask[None, :, None]
+            acc = tl.full((SLICES, BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        else:
+            kq = jq[None, :]
+            kg = jg[None, :]
+            w_ptrs = w_base + cols64[:, None] * (stride_wn // 2) + kq
+            s_ptrs = s_base + cols64[:, None] * stride_sn + kg
+            x_ptrs = x_base + rows64[:, None] * (stride_xm // 4) + kq
+            wmask = nmask[:, None]
+            xmask = rmask[:, None]
+            if SWAP:
+                acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
+            else:
+                acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+
+        k_start = tl.multiple_of(pid_s * k_per_split, 64)
+        k_len = tl.minimum(K, k_start + k_per_split) - k_start
+        w_ptrs += k_start // 4
+        s_ptrs += k_start // 16 // (4 if SCALE_WORDS else 1)
+        x_ptrs += k_start // 4
+        # (The interpreter's range() needs a Python int: K_ITERS, with MASK_K for the rest.)
+        for it in range(0, K_ITERS if DECODE == 2 else (k_len + CHUNK - 1) // CHUNK):
+            if MASK_K:  # K is not a multiple of the chunk (odd shapes only)
+                k_left = k_len - it * CHUNK
+                wq = tl.load(w_ptrs, mask=wmask & (kq < k_left // 4), other=0)
+                sb = tl.load(s_ptrs, mask=wmask & (kg < k_left // (64 if SCALE_WORDS else 16)),
+                             other=0)
+                xq = tl.load(x_ptrs, mask=xmask & (kq < k_left // 4), other=0)
+            elif EVEN_N:  # no weight mask at all, so the loads vectorize
+                wq = tl.load(w_ptrs)
+                sb = tl.load(s_ptrs)
+                xq = tl.load(x_ptrs, mask=xmask, other=0)
+            else:
+                wq = tl.load(w_ptrs, mask=wmask, other=0)
+                sb = tl.load(s_ptrs, mask=wmask, other=0)
+                xq = tl.load(x_ptrs, mask=xmask, other=0)
+            w_ptrs += CHUNK // 4
+            s_ptrs += CHUNK // (64 if SCALE_WORDS else 16)
+            x_ptrs += CHUNK // 4
+            if SCALE_WORDS:  # bytes of each word, in order: join/reshape stay in registers
+                sb = tl.join(tl.join(sb & 0xFF, (sb >> 16) & 0xFF),
+                             tl.join((sb >> 8) & 0xFF, (sb >> 24) & 0xFF))
+                if RANK3:
+                    sb = tl.reshape(sb, (SLICES, BLOCK_N, GROUPS))
+                else:
+                    sb = tl.reshape(sb, (BLOCK_N, GROUPS))
+            # Each scale covers 4 words (16 weights): broadcast in registers, no reshuffle.
+            if RANK3:
+                sb = tl.reshape(tl.broadcast_to(sb[:, :, :, None], (SLICES, BLOCK_N, GROUPS, 4)),
+                                (SLICES, BLOCK_N, QK))
+            else:
+                sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, GROUPS, 4)),
+                                (BLOCK_N, QK))
+            # E4M3 -> fp16 bits = scale * 2^-8 (exact), then * 2^126 -> scale * 2^118.
+            sf = ((sb.to(tl.int32) & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True)
+            sf = sf.to(tl.float32) * 8.507059173023462e+37
+            if DECODE == 1:
+                # Per register pair of words (lane 0 = word 2p, lane 1 = word 2p+1): nibble r
+                # of each lane -> bf16 bits sign << 15 | magnitude << 6, times the scale pair.
+                # A lane-clean nibble times 0x1040 (0x104 for nibble 1) lands at << 6 (bits
+                # 8..6 = magnitude) and << 12 (bit 15 = sign) with no carries; the mask keeps
+                # those 4 bits.  prmt first moves nibbles 2 and 3 down a byte.
+                # Registers: outputs $0..$7 (stream r: $2r, $2r+1), words $8 $9, scales $10 $11.
+                w0, w1, w2, w3 = tl.inline_asm_elementwise(
+                    "{\n.reg .b32 a, m0, m1;\n"
+                    "and.b32 a, $8, 0x000F000F; mul.lo.u32 a, a, 0x1040;\n"
+                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $0, a, $10;\n"
+                    "and.b32 a, $9, 0x000F000F; mul.lo.u32 a, a, 0x1040;\n"
+                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $1, a, $11;\n"
+                    "and.b32 a, $8, 0x00F000F0; mul.lo.u32 a, a, 0x104;\n"
+                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $2, a, $10;\n"
+                    "and.b32 a, $9, 0x00F000F0; mul.lo.u32 a, a, 0x104;\n"
+                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $3, a, $11;\n"
+                    "prmt.b32 m0, $8, 0, 0x4341;\n"
+                    "prmt.b32 m1, $9, 0, 0x4341;\n"
+                    "and.b32 a, m0, 0x000F000F; mul.lo.u32 a, a, 0x1040;\n"
+                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $4, a, $10;\n"
+                    "and.b32 a, m1, 0x000F000F; mul.lo.u32 a, a, 0x1040;\n"
+                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $5, a, $11;\n"
+                    "and.b32 a, m0, 0x00F000F0; mul.lo.u32 a, a, 0x104;\n"
+                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $6, a, $10;\n"
+                    "and.b32 a, m1, 0x00F000F0; mul.lo.u32 a, a, 0x104;\n"
+                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $7, a, $11;\n}",
+                    "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [wq, sf.to(tl.bfloat16)],
+                    dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
+                    pack=4)
+            elif DECODE == 0:  # the same bits, built by Triton ops
+                q = wq.to(tl.int32)
+                s = sf.to(tl.bfloat16)
+                n = q & 0xF
+                w0 = (((n & 8) << 12) | ((n & 7) << 6)).to(tl.int16).to(tl.bfloat16,
+                                                                        bitcast=True) * s
+                n = (q >> 4) & 0xF
+                w1 = (((n & 8) << 12) | ((n & 7) << 6)).to(tl.int16).to(tl.bfloat16,
+                                                                        bitcast=True) * s
+                n = (q >> 8) & 0xF
+                w2 = (((n & 8) << 12) | ((n & 7) << 6)).to(tl.int16).to(tl.bfloat16,
+                                                                        bitcast=True) * s
+                n = (q >> 12) & 0xF
+                w3 = (((n & 8) << 12) | ((n & 7) << 6)).to(tl.int16).to(tl.bfloat16,
+                                                                        bitcast=True) * s
+            else:  # interpreter: E2M1 * 2^-126 as fp32 bits, same exact products in fp32
+                q = wq.to(tl.int32)
+                n = q & 0xF
+                w0 = (((n & 8) << 28) | ((n & 7) << 22)).to(tl.float32, bitcast=True) * sf
+                n = (q >> 4) & 0xF
+                w1 = (((n & 8) << 28) | ((n & 7) << 22)).to(tl.float32, bitcast=True) * sf
+                n = (q >> 8) & 0xF
+                w2 = (((n & 8) << 28) | ((n & 7) << 22)).to(tl.float32, bitcast=True) * sf
+                n = (q >> 12) & 0xF
+                w3 = (((n & 8) << 28) | ((n & 7) << 22)).to(tl.float32, bitcast=True) * sf
+            # x element 4i + r of each int64 word: the same K order as weight stream r.
+            if DECODE == 2:
+                x0 = ((xq & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
+                x1 = (((xq >> 16) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
+                x2 = (((xq >> 32) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
+                x3 = (((xq >> 48) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
+            else:
+                x0 = (xq & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                x1 = ((xq >> 16) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                x2 = ((xq >> 32) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                x3 = ((xq >> 48) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            if RANK3:
+                acc = tl.dot(x0, tl.permute(w0, (0, 2, 1)), acc)
+                acc = tl.dot(x1, tl.permute(w1, (0, 2, 1)), acc)
+                acc = tl.dot(x2, tl.permute(w2, (0, 2, 1)), acc)
+                acc = tl.dot(x3, tl.permute(w3, (0, 2, 1)), acc)
+            elif SWAP:  # acc^T = W x^T: W from registers, x from shared memory (wgmma)
+                acc = tl.dot(w0, tl.trans(x0), acc)
+                acc = tl.dot(w1, tl.trans(x1), acc)
+                acc = tl.dot(w2, tl.trans(x2), acc)
+                acc = tl.dot(w3, tl.trans(x3), acc)
+            else:
+                acc = tl.dot(x0, tl.trans(w0), acc)
+                acc = tl.dot(x1, tl.trans(w1), acc)
+                acc = tl.dot(x2, tl.trans(w2), acc)
+                acc = tl.dot(x3, tl.trans(w3), acc)
+        if RANK3:  # sum the K slices (split/reshape rather than tl.sum, which the
+            # interpreter cannot run when TRITON_INTERPRET is set after triton's import)
+            acc = tl.permute(acc, (1, 2, 0))
+            if SLICES == 4:
+                a, b = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2, 2)))
+                acc = a + b
+            a, b = tl.split(acc)
+            acc = a + b
+        if SWAP:
+            acc = tl.trans(acc)
+
+        out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :]
+        omask = rmask[:, None] & nmask[None, :]
+        if SPLIT == 1:
+            tl.store(out_ptrs, (acc * gscale).to(out_ptr.dtype.element_ty), mask=omask)
+        else:
+            # Split-K: park the fp32 partial; the last CTA of the tile sums all of them, so
+            # no second kernel is needed.  fence.acq_rel.gpu in every thread (a replicated
+            # one-element tensor runs the asm in all of them) plus the barrier order the
+            # partials against the counter, as __threadfence() + __syncthreads() would.
+            tile = pid_b * tl.num_programs(1) + pid_n
+            offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            part = part_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs
+            tl.store(part + pid_s.to(tl.int64) * num_tiles * (BLOCK_M * BLOCK_N), acc)
+            if DECODE != 2:
+                tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, 0;", "=r,r",
+                                          [tl.full([1], 0, tl.int32)], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + tile, 1)
+            if done == SPLIT - 1:
+                if DECODE != 2:
+                    tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, 0;", "=r,r",
+                                              [tl.full([1], 0, tl.int32)], dtype=tl.int32,
+                                              is_pure=False, pack=1)
+                total = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+                for sp in range(0, SPLIT):  # not unrolled: SPLIT tiles in flight would spill
+                    total += tl.load(part + sp * num_tiles * (BLOCK_M * BLOCK_N),
+                                     cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+                tl.store(out_ptrs, (total * gscale).to(out_ptr.dtype.element_ty), mask=omask)
+
+    return _w4a16_v2_kernel
+
+
 def _pick_block_m(m: int) -> int:
     return 16 if m <= 16 else (32 if m <= 32 else 64)
 
@@ -157,21 +441,24 @@ def _sm_count(device: torch.device) -> int:
     return 4
 
 
-def _pick_split_k(programs: int, k: int, block_k: int, device: torch.device) -> int:
-    """Split K until ~2 waves of programs cover the SMs (small-N expert shapes need it)."""
+def _pick_split_k(programs: int, k: int, block_k: int, device: torch.device,
+                  waves: float = 2.0) -> int:
+    """Split K until ~``waves`` waves of programs cover the SMs (small-N expert shapes need
+    it).  v2 asks for 1.5: each split adds a partial-sum round trip (best on an H200 sweep)."""
     k_blocks = -(-k // block_k)
-    target = 2 * _sm_count(device)
+    target = waves * _sm_count(device)
     split = 1
     while programs * split < target and split * 2 <= k_blocks and split < 16:
         split *= 2
     return split
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-            ws2: torch.Tensor, blk_expert: torch.Tensor, blk_row0: torch.Tensor,
-            blk_row1: torch.Tensor, num_blocks: int, block_m: int, n: int, k: int,
-            out_dtype: torch.dtype, block_n: int | None, block_k: int | None,
-            split_k: int | None, num_warps: int | None, num_stages: int | None) -> torch.Tensor:
+def _launch_v1(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               ws2: torch.Tensor, blk_expert: torch.Tensor, blk_row0: torch.Tensor,
+               blk_row1: torch.Tensor, num_blocks: int, block_m: int, n: int, k: int,
+               out_dtype: torch.dtype, block_n: int | None = None, block_k: int | None = None,
+               split_k: int | None = None, num_warps: int | None = None,
+               num_stages: int | None = None) -> torch.Tensor:
     interpret = interpreting()
     kernel = _kernels(interpret)
     block_n = block_n or 64
@@ -206,6 +493,126 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     return out.sum(0).to(out_dtype)
 
 
+# Tile-counter buffers of the in-kernel split-K reduction, per (device, stream): every CTA that
+# finishes a tile bumps its counter and the last one resets it, so they stay zero between
+# launches; one buffer per stream keeps concurrent streams from sharing counters.  Allocate
+# them (run once) before capturing a CUDA graph, like the row-block tables.
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    buf = _COUNTERS.get((device, stream))
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[(device, stream)] = buf
+    return buf
+
+
+def v2_default_config(n: int, k: int, m: int) -> dict:
+    """Tile shape of the v2 kernels when the caller names none (best of an H200 sweep).
+
+    M <= 16 (decode): mma with the weights as B; wide N (lm_head) takes 128-row tiles on
+    2 warps, narrow N (experts) 64-row tiles plus split-K (``_pick_split_k``, ~1.5 waves).
+    Larger M: the swapped wgmma form (``swap``), 32-row blocks of x for narrow N, 256-row
+    tiles of 64-wide K blocks on 8 warps for wide N.  Otherwise the K block is the widest
+    that divides K (a ragged K takes the slower masked path).
+    """
+    wide = n >= 8192
+    cfg = {"block_m": 16 if m <= 16 else (32 if m <= 32 or not wide else 64),
+           "block_n": 128 if wide else 64, "block_k": 128 if k % 128 == 0 else 64,
+           "k_slices": 1, "swap": m > 16, "num_warps": 2 if wide else 4, "num_stages": 3}
+    if m > 16 and wide:
+        cfg.update(block_n=256, block_k=64, num_warps=8)
+    return cfg
+
+
+def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               ws2: torch.Tensor, tables: tuple[torch.Tensor, ...] | None, num_blocks: int,
+               block_m: int, n: int, k: int, out_dtype: torch.dtype, variant: str,
+               block_n: int | None = None, block_k: int | None = None,
+               k_slices: int | None = None, split_k: int | None = None,
+               num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """``tables``: (expert, row0, row1) per row block for the grouped GEMM, None for dense."""
+    interpret = interpreting()
+    kernel = _kernels_v2(interpret)
+    cfg = v2_default_config(n, k, block_m)
+    block_n = block_n or cfg["block_n"]
+    block_k = block_k or cfg["block_k"]
+    slices = k_slices or cfg["k_slices"]
+    swap = variant == "v2w" or (cfg["swap"] and slices == 1 and block_n % 64 == 0)
+    if block_k % 64 or block_n % 16 or slices not in (1, 2, 4):
+        raise ValueError(f"v2 needs block_k % 64 == 0, block_n % 16 == 0 and k_slices in "
+                         f"(1, 2, 4) (got {block_k}, {block_n}, {slices})")
+    if swap and (slices != 1 or block_n % 64):
+        raise ValueError("v2w (wgmma) needs k_slices=1 and block_n a multiple of 64")
+    chunk = block_k * slices
+    tiles_n = -(-n // block_n)
+    split = split_k or _pick_split_k(num_blocks * tiles_n, k, chunk, x.device, waves=1.5)
+    k_per_split = -(-k // split)
+    k_per_split = -(-k_per_split // chunk) * chunk
+    split = -(-k // k_per_split)
+    # The kernel reads x as int64 words (4 bf16) and W as uint16 words (4 nibbles).
+    if x.dtype != torch.bfloat16:
+        x = x.to(torch.bfloat16)
+    if x.stride(0) % 4 or x.data_ptr() % 8:
+        x = x.clone()
+    if weight.data_ptr() % 2:
+        weight = weight.clone()
+    rows = x.shape[0]
+    out = torch.empty((rows, n), dtype=torch.float32 if interpret else out_dtype,
+                      device=x.device)
+    num_tiles = num_blocks * tiles_n
+    if split > 1:
+        part = torch.empty(split * num_tiles * block_m * block_n, dtype=torch.float32,
+                           device=x.device)
+        counters = _tile_counters(x.device, num_tiles)
+    else:
+        part, counters = out, ws2  # unused
+    w3 = weight if weight.dim() == 3 else weight.unsqueeze(0)
+    s3 = weight_scale if weight_scale.dim() == 3 else weight_scale.unsqueeze(0)
+    s3 = s3.view(torch.uint8)
+    if interpret:
+        decode, extra = _DEC_FP32, {}
+    else:
+        decode = _DEC_TRITON if variant == "v2t" else _DEC_ASM
+        extra = {"num_warps": num_warps or cfg["num_warps"],
+                 "num_stages": num_stages or cfg["num_stages"]}
+    kernel[(num_blocks, tiles_n, split)](
+        x, w3, s3, ws2, out, part, counters, *(tables or (ws2, ws2, ws2)),
+        rows, n, k, k_per_split, num_tiles,
+        x.stride(0), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SLICES=slices, SPLIT=split,
+        SWAP=swap, DECODE=decode, GROUPED=tables is not None, EVEN_N=n % block_n == 0,
+        MASK_K=interpret or k % chunk != 0, SCALE_WORDS=k % 64 == 0 and block_k >= 128,
+        K_ITERS=k_per_split // chunk if interpret else 0,
+        **extra,
+    )
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+VARIANTS = ("v1", "v2", "v2t", "v2w")
+VARIANT_ENV = "BLOCKSPEC_W4A16_VARIANT"
+
+
+def default_variant() -> str:
+    """``BLOCKSPEC_W4A16_VARIANT`` if set, else ``v2`` (fastest on every shape on the H200,
+    docs/benchmarks.md)."""
+    v = os.environ.get(VARIANT_ENV, "") or "v2"
+    if v not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV}={v!r}: expected one of {VARIANTS}")
+    return v
+
+
+def _variant(variant: str | None, cfg: dict) -> str:
+    variant = variant or default_variant()
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown W4A16 variant {variant!r}: expected one of {VARIANTS}")
+    if variant == "v1" and any(cfg.get(key) not in (None, 1) for key in ("k_slices", "block_m")):
+        raise ValueError("k_slices and block_m are v2 options")
+    return variant
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> tuple[int, int]:
     n, half_k = weight.shape[-2], weight.shape[-1]
     k = half_k * 2
@@ -234,10 +641,15 @@ def _dense_blocks(m: int, block_m: int, device: torch.device
 
 def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 variant: str | None = None, block_m: int | None = None,
                  block_n: int | None = None, block_k: int | None = None,
-                 split_k: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None) -> torch.Tensor:
-    """``x[..., K] @ dequant(W)^T (+ bias)`` -> ``[..., N]`` in x's dtype, via the Triton kernel."""
+                 k_slices: int | None = None, split_k: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """``x[..., K] @ dequant(W)^T (+ bias)`` -> ``[..., N]`` in x's dtype, via the Triton kernel.
+
+    ``variant``: one of ``VARIANTS`` (default: ``default_variant()``); the other keywords
+    override the tile configuration (``block_m`` and ``k_slices`` are v2 only).
+    """
     n, k = _check(x, weight, weight_scale)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -247,13 +659,19 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     out_dtype = x.dtype
     if m == 0:
         return x.new_empty((*lead, n))
-    block_m = _pick_block_m(m)
-    nb = -(-m // block_m)
-    blk_expert, blk_row0, blk_row1 = _dense_blocks(m, block_m, x.device)
+    cfg = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": num_warps,
+           "num_stages": num_stages}
+    variant = _variant(variant, {"block_m": block_m, "k_slices": k_slices})
     ws2 = weight_scale_2.reshape(1).to(torch.float32)
-    y = _launch(x2, weight.contiguous(), weight_scale.contiguous(), ws2, blk_expert, blk_row0,
-                blk_row1, nb, block_m, n, k, out_dtype, block_n, block_k, split_k,
-                num_warps, num_stages)
+    w, s = weight.contiguous(), weight_scale.contiguous()
+    if variant == "v1":
+        block_m = _pick_block_m(m)
+        y = _launch_v1(x2, w, s, ws2, *_dense_blocks(m, block_m, x.device), -(-m // block_m),
+                       block_m, n, k, out_dtype, **cfg)
+    else:
+        block_m = block_m or v2_default_config(n, k, m)["block_m"]
+        y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype,
+                       variant, k_slices=k_slices, **cfg)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, n)
@@ -296,14 +714,16 @@ def expert_blocks(expert_offsets: torch.Tensor, rows: int, block_m: int
 def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor,
                   weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, *,
                   blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None,
-                  block_n: int | None = None, block_k: int | None = None,
+                  variant: str | None = None, block_n: int | None = None,
+                  block_k: int | None = None, k_slices: int | None = None,
                   split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None) -> torch.Tensor:
     """MoE: ``x[T, K]`` sorted by expert; rows ``offsets[e]:offsets[e+1]`` use expert e.
 
     ``weight`` [E, N, K/2] uint8, ``weight_scale`` [E, N, K/16] E4M3, ``weight_scale_2`` [E]
     fp32.  Returns ``[T, N]`` in x's dtype.  ``blocks`` (from ``grouped_blocks``) lets the up
-    and down projections of one MoE layer share the row-block table.
+    and down projections of one MoE layer share the row-block table.  ``variant`` and the tile
+    keywords are as in ``w4a16_linear``.
     """
     n, k = _check(x, weight, weight_scale)
     if weight.dim() != 3:
@@ -319,9 +739,14 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
         blocks = grouped_blocks(expert_offsets.to(x.device), t)
     blk_expert, row0, row1, nb, block_m = blocks
     ws2 = weight_scale_2.reshape(e).to(torch.float32)
-    return _launch(x2, weight.contiguous(), weight_scale.contiguous(), ws2, blk_expert, row0,
-                   row1, nb, block_m, n, k, x.dtype, block_n, block_k, split_k, num_warps,
-                   num_stages)
+    cfg = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": num_warps,
+           "num_stages": num_stages}
+    w, s = weight.contiguous(), weight_scale.contiguous()
+    if _variant(variant, {"k_slices": k_slices}) == "v1":
+        return _launch_v1(x2, w, s, ws2, blk_expert, row0, row1, nb, block_m, n, k, x.dtype,
+                          **cfg)
+    return _launch_v2(x2, w, s, ws2, (blk_expert, row0, row1), nb, block_m, n, k, x.dtype,
+                      variant or default_variant(), k_slices=k_slices, **cfg)
 
 
 def grouped_blocks(expert_offsets: torch.Tensor, rows: int
