@@ -24,4 +24,21 @@ engine)
   $B --model-path $M/lightning-mini-mixed --random-draft dflash --speculative-num-draft-tokens 4
   cat "$OUT/engine.jsonl"
   ;;
+final)
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+  timeout 300 python3 -m pytest -m gpu tests/ -q -p no:cacheprovider -o addopts="" -x 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+  M=/tmp/lm; B="python3 -m blockspec.cli bench --device cuda --dtype bfloat16 --input-len 128 --output-len 64 --out $OUT/engine.jsonl"
+  python3 -c "from blockspec.bench.engine_bench import write_random_model as w; from pathlib import Path; w('lightning-mini', Path('$M'))"
+  python3 -m blockspec.cli quantize --model-path $M/lightning-mini --output $M/lightning-mini-mixed \
+      --quant-algo MIXED_PRECISION --recipe lightning
+  $B --model-path $M/lightning-mini-mixed 2>/dev/null
+  $B --model-path $M/lightning-mini-mixed --batch-size 8 2>/dev/null
+  $B --model-path $M/lightning-mini-mixed --random-draft dflash --speculative-num-draft-tokens 4 2>/dev/null
+  $B --model-path $M/lightning-mini-mixed --random-draft dspark --speculative-num-draft-tokens 4 2>/dev/null
+  $B --model-path $M/lightning-mini --random-draft dflash --speculative-num-draft-tokens 4 2>/dev/null
+  python3 scripts/profile_step.py --model-path $M/lightning-mini-mixed --out "$OUT/profile_ar.txt" 2>/dev/null
+  python3 scripts/profile_step.py --model-path $M/lightning-mini-mixed --draft $M/lightning-mini-mixed-dflash-b4 \
+      --out "$OUT/profile_dflash.txt" 2>/dev/null
+  tail -8 "$OUT/profile_ar.txt" "$OUT/profile_dflash.txt"
+  ;;
 esac
