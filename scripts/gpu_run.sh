@@ -31,14 +31,14 @@ final)
   python3 -c "from blockspec.bench.engine_bench import write_random_model as w; from pathlib import Path; w('lightning-mini', Path('$M'))"
   python3 -m blockspec.cli quantize --model-path $M/lightning-mini --output $M/lightning-mini-mixed \
       --quant-algo MIXED_PRECISION --recipe lightning
-  $B --model-path $M/lightning-mini-mixed 2>/dev/null
-  $B --model-path $M/lightning-mini-mixed --batch-size 8 2>/dev/null
-  $B --model-path $M/lightning-mini-mixed --random-draft dflash --speculative-num-draft-tokens 4 2>/dev/null
-  $B --model-path $M/lightning-mini-mixed --random-draft dspark --speculative-num-draft-tokens 4 2>/dev/null
-  $B --model-path $M/lightning-mini --random-draft dflash --speculative-num-draft-tokens 4 2>/dev/null
-  python3 scripts/profile_step.py --model-path $M/lightning-mini-mixed --out "$OUT/profile_ar.txt" 2>/dev/null
+  $B --model-path $M/lightning-mini-mixed 2>>"$OUT/stderr.log"
+  $B --model-path $M/lightning-mini-mixed --batch-size 8 2>>"$OUT/stderr.log"
+  $B --model-path $M/lightning-mini-mixed --random-draft dflash --speculative-num-draft-tokens 4 2>>"$OUT/stderr.log"
+  $B --model-path $M/lightning-mini-mixed --random-draft dspark --speculative-num-draft-tokens 4 2>>"$OUT/stderr.log"
+  $B --model-path $M/lightning-mini --random-draft dflash --speculative-num-draft-tokens 4 2>>"$OUT/stderr.log"
+  python3 scripts/profile_step.py --model-path $M/lightning-mini-mixed --out "$OUT/profile_ar.txt" 2>>"$OUT/stderr.log"
   python3 scripts/profile_step.py --model-path $M/lightning-mini-mixed --draft $M/lightning-mini-mixed-dflash-b4 \
-      --out "$OUT/profile_dflash.txt" 2>/dev/null
+      --out "$OUT/profile_dflash.txt" 2>>"$OUT/stderr.log"
   tail -8 "$OUT/profile_ar.txt" "$OUT/profile_dflash.txt"
   ;;
 esac
