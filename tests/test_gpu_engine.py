@@ -42,11 +42,26 @@ def test_cuda_speculative_equals_target_only(demo, kind):
 
 
 @pytest.mark.parametrize("name", ["w4a16_nvfp4", "mixed_lightning"])
-def test_triton_path_matches_reference_path(name, monkeypatch):
-    folder = str(FIXTURES / name)
-    prompts = [[5, 17, 33, 8, 60, 21, 9], [44, 3, 100, 101]]
-    fast = Engine(model_path=folder, device="cuda", dtype="bfloat16").runner.score(prompts)
-    monkeypatch.setenv("BLOCKSPEC_DISABLE_TRITON", "1")
-    ref = Engine(model_path=folder, device="cuda", dtype="bfloat16").runner.score(prompts)
-    for a, b in zip(fast, ref):
-        assert ((a - b).abs().max() / b.abs().max()) < 2e-2
+def test_triton_modules_match_reference_on_engine_activations(name):
+    """Every packed Linear of a loaded engine, on the activations it really sees in a forward,
+    against the torch reference (exact dequant rounded to bf16, then matmul). Compared per module:
+    whole-model logits of a tiny random MoE amplify bf16-level differences through routing flips,
+    and the v2 kernel is slightly more exact than the reference (it never rounds the weights)."""
+    import torch.nn.functional as F
+
+    from blockspec.quant.linear import NVFP4Linear
+
+    e = Engine(model_path=str(FIXTURES / name), device="cuda", dtype="bfloat16")
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: seen.setdefault(n, inp[0].detach()))
+             for n, m in e.model.named_modules() if isinstance(m, NVFP4Linear)]
+    e.runner.score([[5, 17, 33, 8, 60, 21, 9], [44, 3, 100, 101]])
+    for h in hooks:
+        h.remove()
+    modules = dict(e.model.named_modules())
+    assert seen
+    for n, x in seen.items():
+        m = modules[n]
+        got = m(x).float()
+        ref = F.linear(x, m.dense_weight(torch.bfloat16)).float()
+        assert ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)) < 1e-2, n
