@@ -53,7 +53,13 @@ def test_triton_modules_match_reference_on_engine_activations(name):
 
     e = Engine(model_path=str(FIXTURES / name), device="cuda", dtype="bfloat16")
     seen: dict[str, torch.Tensor] = {}
-    hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: seen.setdefault(n, inp[0].detach()))
+
+    def keeper(name: str):
+        def hook(mod, inp, out) -> None:      # must return None: a value would replace the output
+            seen.setdefault(name, inp[0].detach())
+        return hook
+
+    hooks = [m.register_forward_hook(keeper(n))
              for n, m in e.model.named_modules() if isinstance(m, NVFP4Linear)]
     e.runner.score([[5, 17, 33, 8, 60, 21, 9], [44, 3, 100, 101]])
     for h in hooks:
