@@ -48,6 +48,14 @@ class _QuantBase(nn.Module):
                 self._buffers[name] = orig.to(buf.device)
         return self
 
+    def _register_input_scale_and_bias(self, out_features: int, has_input_scale: bool,
+                                       bias: bool, dtype: torch.dtype | None) -> None:
+        """``input_scale`` only when the checkpoint has one (loaded, never applied)."""
+        if has_input_scale:
+            self.register_buffer("input_scale", torch.zeros((), dtype=torch.float32))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32)
+                             if bias else None)
+
     def logical_shape_message(self, local_name: str, found_shape: tuple[int, ...] | torch.Size
                               ) -> str | None:
         """Shape error naming the logical [out, in] shape expected and found, or None if fine."""
@@ -100,10 +108,7 @@ class NVFP4Linear(_QuantBase):
         self.register_buffer("weight_scale", torch.zeros(
             out_features, in_features // GROUP_SIZE, dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_scale_2", torch.zeros((), dtype=torch.float32))
-        if has_input_scale:
-            self.register_buffer("input_scale", torch.zeros((), dtype=torch.float32))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32)
-                             if bias else None)
+        self._register_input_scale_and_bias(out_features, has_input_scale, bias, dtype)
 
     def _logical_shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
@@ -141,10 +146,7 @@ class FP8Linear(_QuantBase):
         self.register_buffer("weight", torch.zeros(out_features, in_features,
                                                    dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_scale", torch.zeros((), dtype=torch.float32))
-        if has_input_scale:
-            self.register_buffer("input_scale", torch.zeros((), dtype=torch.float32))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype or torch.float32)
-                             if bias else None)
+        self._register_input_scale_and_bias(out_features, has_input_scale, bias, dtype)
 
     def _logical_shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
