@@ -62,32 +62,47 @@ class ModelRunner:
         return self.allocator.num_blocks * self.allocator.block_size
 
     # ---- batches -----------------------------------------------------------------------------
-    def _batch(self, mode: Mode, reqs: list[Request], new_ids: list[list[int]],
+    def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Move CPU int64 index tensors to the device in one copy (one H2D transfer per batch
+        instead of one per request and per field)."""
+        flat = torch.cat([t.reshape(-1) for t in tensors]).to(self.device)
+        return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+    def _context_slots_cpu(self, reqs: list[Request], lens: list[int]) -> torch.Tensor:
+        ctx = torch.zeros(len(reqs), max(max(lens), 1), dtype=torch.long)
+        for b, (r, n) in enumerate(zip(reqs, lens)):
+            ctx[b, :n] = self.allocator.slots(r.block_table, 0, n, torch.device("cpu"))
+        return ctx
+
+    def _batch(self, mode: Mode, reqs: list[Request], new_ids: list[list[int]] | torch.Tensor,
                starts: list[int], logits_all: bool) -> ForwardBatch:
-        dev = self.device
-        q_lens = [len(x) for x in new_ids]
-        ids = torch.tensor([t for x in new_ids for t in x], dtype=torch.long, device=dev)
-        positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, q_lens)]).to(dev)
-        alloc = self.allocator
-        kv_slots = torch.cat([alloc.slots(r.block_table, s, s + q, dev)
+        """``new_ids``: per-request id lists, or a [B, T] device tensor (verify blocks)."""
+        cpu = torch.device("cpu")
+        q_lens = [len(x) for x in new_ids] if isinstance(new_ids, list) else [new_ids.shape[1]] * len(reqs)
+        positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, q_lens)])
+        kv_slots = torch.cat([self.allocator.slots(r.block_table, s, s + q, cpu)
                               for r, s, q in zip(reqs, starts, q_lens)])
-        ctx, _ = self.context_slots(reqs, [s + q for s, q in zip(starts, q_lens)])
+        ctx = self._context_slots_cpu(reqs, [s + q for s, q in zip(starts, q_lens)])
         ends = torch.cumsum(torch.tensor(q_lens), 0)
         rows = torch.arange(int(ends[-1])) if logits_all else ends - 1
+        mamba_slots = torch.tensor([r.mamba_slot for r in reqs])
+        host = [positions, kv_slots, ctx, mamba_slots, rows]
+        if isinstance(new_ids, list):
+            host.append(torch.tensor([t for x in new_ids for t in x], dtype=torch.long))
+        positions, kv_slots, ctx, mamba_slots, rows, *ids = self._to_device(*host)
+        ids = ids[0] if ids else new_ids.reshape(-1)
         return ForwardBatch(mode=mode, input_ids=ids, positions=positions, q_lens=q_lens,
                             prefix_lens=list(starts), kv_slots=kv_slots, ctx_slots=ctx,
-                            mamba_slots=torch.tensor([r.mamba_slot for r in reqs], device=dev),
-                            logits_rows=rows.to(dev), capture_layers=self.capture_layers)
+                            mamba_slots=mamba_slots, logits_rows=rows,
+                            capture_layers=self.capture_layers)
 
     def context_slots(self, reqs: list[Request], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots of positions [0, lens[b]) per request, padded to [B, max(lens)] (pad slot 0),
         and the validity mask. Any paged pool indexed by the shared block tables reads them."""
-        width = max(max(lens), 1)
-        ctx = torch.zeros(len(reqs), width, dtype=torch.long, device=self.device)
-        for b, (r, n) in enumerate(zip(reqs, lens)):
-            ctx[b, :n] = self.allocator.slots(r.block_table, 0, n, self.device)
-        valid = torch.arange(width, device=self.device)[None] < torch.tensor(lens, device=self.device)[:, None]
-        return ctx, valid
+        ctx = self._context_slots_cpu(reqs, lens)
+        valid = torch.arange(ctx.shape[1])[None] < torch.tensor(lens)[:, None]
+        ctx, valid = self._to_device(ctx, valid.long())
+        return ctx, valid.bool()
 
     @torch.inference_mode()
     def extend(self, chunks: list[tuple[Request, int, int]]) -> ModelOutput:
@@ -131,15 +146,16 @@ class ModelRunner:
     @torch.inference_mode()
     def verify(self, reqs: list[Request], cand: torch.Tensor) -> tuple[ModelOutput, ForwardBatch]:
         """Target forward over cand [B, T] at positions num_cached.. (committed state untouched)."""
-        fb = self._batch(Mode.VERIFY, reqs, cand.tolist(), [r.num_cached for r in reqs],
-                         logits_all=True)
+        fb = self._batch(Mode.VERIFY, reqs, cand, [r.num_cached for r in reqs], logits_all=True)
         return self.model(fb, self.kv, self.mamba), fb
 
     @torch.inference_mode()
-    def commit_verify(self, reqs: list[Request], fb: ForwardBatch, accept_len: torch.Tensor) -> None:
+    def commit_verify(self, reqs: list[Request], fb: ForwardBatch, accept_len: torch.Tensor,
+                      accepted: list[int]) -> None:
         """Keep a+1 block rows: Mamba adopts the state at index a; KV rows past it are simply
-        beyond the new length (overwritten by the next step)."""
+        beyond the new length (overwritten by the next step). ``accepted`` is
+        ``accept_len.tolist()``, read once by the caller."""
         if self.mamba is not None:
             self.model.commit_verify(fb, self.mamba, accept_len.to(self.device))
-        for r, a in zip(reqs, accept_len.tolist()):
+        for r, a in zip(reqs, accepted):
             r.num_cached += a + 1

@@ -58,15 +58,16 @@ class SpecWorker:
         anchor = torch.tensor([r.last_token for r in reqs], device=dev)
         committed = [r.num_cached for r in reqs]
         with record_function("spec.propose"):
-            drafts, q = self._propose(reqs, anchor, torch.tensor(committed, device=dev), params, gens)
+            drafts, q = self._propose(reqs, anchor, committed, params, gens)
         with record_function("spec.verify_forward"):
             cand = torch.cat([anchor[:, None], drafts], dim=1)
             out, fb = self.runner.verify(reqs, cand)
         with record_function("spec.accept"):
             logits = out.logits.view(B, T, -1)
             acc, bonus = verify_block(drafts, logits, q, params, gens, self.fallback)
+        accepted = acc.tolist()                    # the step's one read-back of the outcome
         with record_function("spec.commit"):
-            self.runner.commit_verify(reqs, fb, acc)
+            self.runner.commit_verify(reqs, fb, acc, accepted)
             keep = torch.arange(T, device=dev)[None] <= acc[:, None]                 # [B, T]
             rows = keep.reshape(-1)
             self._write_context(out.aux_hidden[rows], fb.positions[rows], fb.kv_slots[rows])
@@ -74,7 +75,7 @@ class SpecWorker:
         want_lp = any(r.return_logprob for r in reqs)
         lps = logprobs_of(logits.reshape(B * T, -1), toks.reshape(-1)).view(B, T) if want_lp else None
         results = []
-        for b, (r, a) in enumerate(zip(reqs, acc.tolist())):
+        for b, (r, a) in enumerate(zip(reqs, accepted)):
             r.spec_verify_ct += 1
             if not r.spec_accept_histogram:
                 r.spec_accept_histogram = [0] * T
@@ -84,9 +85,9 @@ class SpecWorker:
 
     def _propose(self, reqs, anchor, committed, params, gens):
         draft, runner = self.draft, self.runner
-        ids, pos = draft.block_inputs(anchor, committed)
+        ids, pos = draft.block_inputs(anchor, torch.tensor(committed, device=anchor.device))
         x = draft.embed_block(ids, self.target.backbone.embeddings)
-        ctx, valid = runner.context_slots(reqs, committed.tolist())
+        ctx, valid = runner.context_slots(reqs, committed)
         ks = [self.pool.k[n][ctx] for n in range(len(draft.layers))]
         vs = [self.pool.v[n][ctx] for n in range(len(draft.layers))]
         h = draft.select_draft_hidden(draft.forward_block(x, pos, ks, vs, valid))   # [B, gamma, H]
