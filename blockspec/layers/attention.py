@@ -32,10 +32,9 @@ def paged_causal_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     qpos = prefix[:, None] + torch.arange(qmax, device=dev)[None]          # [B,qmax]
     kpos = torch.arange(L, device=dev)
     mask = (kpos[None, None] <= qpos[:, :, None]) & (kpos[None, None] < seq[:, None, None])
-    rep = Hq // k.shape[2]
-    out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), k.transpose(1, 2).repeat_interleave(rep, 1),
-        v.transpose(1, 2).repeat_interleave(rep, 1), attn_mask=mask[:, None], scale=scale)
+    out = F.scaled_dot_product_attention(                       # GQA without copying K/V per head
+        qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None],
+        scale=scale, enable_gqa=True)
     return out.transpose(1, 2)[fb.row_batch, fb.row_offset]
 
 
