@@ -82,6 +82,8 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None,
                  sampling_params: dict | list[dict] | None = None,
                  return_logprob: bool = False) -> dict | list[dict]:
+        if self.scheduler is None:
+            raise GenerateError("this Engine was shut down; create a new one")
         single, id_lists = self._normalize_prompts(prompt, input_ids)
         params = self._normalize_params(sampling_params, len(id_lists))
         reqs = []

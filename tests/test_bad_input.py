@@ -114,6 +114,10 @@ def test_invalid_sampling_params(folder, params, message):
 
 def test_prompt_errors(folder):
     e = Engine(model_path=str(folder), device="cpu")
+    with Engine(model_path=str(folder), device="cpu") as closed:
+        pass
+    with pytest.raises(ValueError, match="shut down"):
+        closed.generate(input_ids=[1, 2])
     with pytest.raises(ValueError, match="needs a tokenizer"):
         e.generate(prompt="hi")
     with pytest.raises(ValueError, match="exactly one of prompt or input_ids"):

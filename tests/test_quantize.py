@@ -114,3 +114,29 @@ def test_bad_arguments(tmp_path, algo, recipe, match):
 def test_refuses_already_quantized_input(tmp_path):
     with pytest.raises(QuantizeError, match="already quantized"):
         quantize_checkpoint(FIX / "w4a16_nvfp4", tmp_path / "x", "W4A16_NVFP4")
+
+
+def test_cli_quantize_writes_a_checkpoint_the_engine_runs(tmp_path):
+    """`blockspec quantize` end to end: the CLI writes ModelOpt's layout (weight-only W4A16 needs
+    no calibration, so the bytes equal ModelOpt's) and the engine then serves it."""
+    import subprocess
+    import sys
+
+    from blockspec import Engine
+
+    out = tmp_path / "q"
+    r = subprocess.run([sys.executable, "-m", "blockspec.cli", "quantize", "--model-path",
+                        str(FIX / "dense"), "--output", str(out), "--quant-algo", "W4A16_NVFP4"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    ours = load_file(str(out / "model.safetensors"))
+    ref = load_file(str(FIX / "w4a16_nvfp4" / "model.safetensors"))
+    assert all(torch.equal(_bytes(ours[k]), _bytes(ref[k])) for k in ref)
+    sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    got = Engine(model_path=str(out), device="cpu").generate(input_ids=[5, 6, 7], sampling_params=sp)
+    want = Engine(model_path=str(FIX / "w4a16_nvfp4"), device="cpu").generate(input_ids=[5, 6, 7], sampling_params=sp)
+    assert got["output_ids"] == want["output_ids"]
+    bad = subprocess.run([sys.executable, "-m", "blockspec.cli", "quantize", "--model-path",
+                          str(tmp_path / "missing"), "--output", str(tmp_path / "x"), "--quant-algo", "FP8"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "error" in bad.stderr
