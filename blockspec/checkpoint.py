@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -147,11 +147,6 @@ def _shape_message(modules: dict[str, nn.Module], target: str, want: list[int], 
     detail = hook(local, tuple(found)) if hook is not None else None
     msg = f"tensor '{target}': expected shape {want}, found {found}"
     return f"{msg} ({detail})" if detail else msg
-
-
-def tensor_names(path: str | Path) -> Iterable[str]:
-    with TensorSource(path) as src:
-        return src.names()
 
 
 def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:

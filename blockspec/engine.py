@@ -12,7 +12,7 @@ from blockspec.checkpoint import read_config, resolve_dtype
 from blockspec.models.loader import load_target
 from blockspec.request import Request
 from blockspec.runner import CacheSpec, ModelRunner
-from blockspec.sampling import SamplingParams
+from blockspec.sampling import SamplingParams, make_generator
 from blockspec.scheduler import Scheduler
 from blockspec.tokenizer import Tokenizer
 
@@ -88,8 +88,7 @@ class Engine:
         params = self._normalize_params(sampling_params, len(id_lists))
         reqs = []
         for ids, p in zip(id_lists, params):
-            gen = (torch.Generator(device=self.device).manual_seed(p.seed)
-                   if p.seed is not None else None)
+            gen = make_generator(p.seed, self.device)
             req = Request(rid=self._next_rid, prompt_ids=ids, params=p, generator=gen,
                           return_logprob=return_logprob)
             self._next_rid += 1
@@ -149,9 +148,4 @@ class Engine:
             items = sp
         else:
             items = [sp] * n
-        out = []
-        for d in items:
-            p = SamplingParams.from_dict(d)
-            p.validate()
-            out.append(p)
-        return out
+        return [SamplingParams.from_dict(d) for d in items]      # from_dict validates

@@ -254,6 +254,16 @@ def measure(fn: Callable[[], torch.Tensor], ref: torch.Tensor, calls: int,
         return {"ok": False, "error": f"{type(e).__name__}: {msg}"}
 
 
+def _record_run(rec: dict, r: dict, variant: str, cfg: dict, read_gbs: float) -> None:
+    """Label one timed (or failed) run and add its bandwidth figures to the shape's record."""
+    r.update(variant=variant, config=cfg, name=_cfg_name(variant, cfg))
+    if r["ok"]:
+        r["gbs"] = _gbs(rec["w4a16_bytes"], r["ms"])
+        r["frac_read"] = r["gbs"] / read_gbs
+        r["frac_nominal"] = r["gbs"] / NOMINAL_GBS
+    rec["runs"].append(r)
+
+
 def bench_dense(tasks: list[tuple], read_gbs: float, calls: int, reps: int) -> list[dict]:
     recs: dict[tuple, dict] = {}
     for name, m, variant, cfg in tasks:
@@ -270,13 +280,7 @@ def bench_dense(tasks: list[tuple], read_gbs: float, calls: int, reps: int) -> l
                          "torch_bf16_ms": torch_ms,
                          "torch_bf16_gbs": _gbs(w_bf16.numel() * 2 + io, torch_ms),
                          "runs": []}
-        r = measure(fn, ref, calls, reps)
-        r.update(variant=variant, config=cfg, name=_cfg_name(variant, cfg))
-        if r["ok"]:
-            r["gbs"] = _gbs(recs[key]["w4a16_bytes"], r["ms"])
-            r["frac_read"] = r["gbs"] / read_gbs
-            r["frac_nominal"] = r["gbs"] / NOMINAL_GBS
-        recs[key]["runs"].append(r)
+        _record_run(recs[key], measure(fn, ref, calls, reps), variant, cfg, read_gbs)
     return [_summarize(rec) for rec in recs.values()]
 
 
@@ -293,13 +297,7 @@ def bench_grouped(tasks: list[tuple], read_gbs: float, calls: int, reps: int) ->
             recs[key] = {"shape": name, "N": n, "K": k, "tokens": tokens, "experts": EXPERTS,
                          "top_k": TOP_K, "active_experts": active, "w4a16_bytes": nbytes,
                          "ref": ref_fn(), "runs": []}
-        r = measure(fn, recs[key]["ref"], calls, reps)
-        r.update(variant=variant, config=cfg, name=_cfg_name(variant, cfg))
-        if r["ok"]:
-            r["gbs"] = _gbs(recs[key]["w4a16_bytes"], r["ms"])
-            r["frac_read"] = r["gbs"] / read_gbs
-            r["frac_nominal"] = r["gbs"] / NOMINAL_GBS
-        recs[key]["runs"].append(r)
+        _record_run(recs[key], measure(fn, recs[key]["ref"], calls, reps), variant, cfg, read_gbs)
     out = []
     for rec in recs.values():
         del rec["ref"]

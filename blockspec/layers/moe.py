@@ -71,6 +71,7 @@ class MoE(nn.Module):
             ReluSquaredMLP(f"{prefix}.shared_experts", cfg.hidden_size,
                            cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias, quant, dtype)
             if cfg.n_shared_experts else None)
+        self._grouped = None   # stacked packed experts, set by prepare_grouped()
         self.latent = cfg.moe_latent_size is not None
         if self.latent:
             self.fc1_latent_proj = build_linear(f"{prefix}.fc1_latent_proj", cfg.hidden_size,
@@ -92,7 +93,7 @@ class MoE(nn.Module):
         return True
 
     def _use_grouped(self, h: torch.Tensor) -> bool:
-        if getattr(self, "_grouped", None) is None or not h.is_cuda:
+        if self._grouped is None or not h.is_cuda:
             return False
         from blockspec.quant.triton_w4a16 import triton_available
 

@@ -22,7 +22,7 @@ from blockspec.spec.verify import verify_block
 
 class SpecWorker:
     def __init__(self, draft: DFlashDraftModel, runner: ModelRunner, dtype: torch.dtype,
-                 fallback: torch.Generator | None = None) -> None:
+                 fallback: torch.Generator) -> None:
         self.draft, self.runner, self.target = draft, runner, runner.model
         cfg = draft.config
         self.gamma = cfg.gamma
@@ -31,7 +31,7 @@ class SpecWorker:
         self.pool = KVPool(cfg.num_hidden_layers, runner.total_tokens, draft.num_kv_heads,
                            draft.head_dim, dtype, runner.device)
         runner.capture_layers = tuple(i + 1 for i in cfg.target_layer_ids)
-        self.fallback = fallback or torch.Generator(device=runner.device).manual_seed(0)
+        self.fallback = fallback
 
     # ---- draft context -------------------------------------------------------------------------
     def _write_context(self, aux: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
