@@ -156,11 +156,17 @@ class Scheduler:
                 return
 
     def _stop_string(self, req: Request, stops: list[str]) -> bool:
+        """Check the newest tokens only: decoding a short tail per token keeps stop strings
+        O(1) per step; a hit is confirmed and cut on the full text."""
+        window = 4 * max(len(s) for s in stops) + 4        # a character spans <= 4 byte tokens
+        tail = self.detokenize(req.output_ids[-window:])
+        if not any(s in tail for s in stops):
+            return False
         text = self.detokenize(req.output_ids)
-        for s in stops:
-            at = text.find(s)
-            if at >= 0:
-                req.text = text[:at]
-                req.finish_reason = {"type": "stop", "matched": s}
-                return True
-        return False
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if not hits:
+            return False
+        at, s = min(hits)
+        req.text = text[:at]
+        req.finish_reason = {"type": "stop", "matched": s}
+        return True
