@@ -2,7 +2,7 @@
 
 One module owns "what distribution does the target sample from", because speculative
 verification is only lossless when it accepts against exactly that distribution
-(``spec/verify.py`` calls :func:`target_probs`, :func:`draw_uniforms` and
+(``speculative/accept.py`` calls :func:`target_probs`, :func:`draw_uniforms` and
 :func:`inverse_cdf_sample` from here).
 
 Conventions shared by every tensor function below:

@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 from blockspec.sampling import SamplingParams, make_generator, params_to_tensors, target_probs
-from blockspec.spec.verify import (
+from blockspec.speculative.accept import (
     build_out_tokens,
     committed_tokens,
     greedy_accept,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from blockspec.forward_batch import ForwardBatch
+from blockspec.runtime.metadata import ForwardBatch
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.models.nemotron_h_config import NemotronHConfig
 

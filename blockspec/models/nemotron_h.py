@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from blockspec.cache import KVPool, MambaStatePool
-from blockspec.forward_batch import ForwardBatch, Mode
+from blockspec.engine.memory import KVPool, MambaStatePool
+from blockspec.runtime.metadata import ForwardBatch, Mode
 from blockspec.layers.attention import Attention
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.mamba2 import Mamba2Mixer, MambaVerifyState

@@ -11,13 +11,13 @@ import torch
 from torch.profiler import record_function
 
 from blockspec.args import EngineArgs
-from blockspec.cache import KVPool
+from blockspec.engine.memory import KVPool
 from blockspec.models.dflash import DFlashDraftModel
-from blockspec.request import Request
-from blockspec.runner import ModelRunner
+from blockspec.engine.request import Request
+from blockspec.runtime.model_runner import ModelRunner
 from blockspec.sampling import logprobs_of, params_to_tensors
-from blockspec.spec.draft_loader import load_draft
-from blockspec.spec.verify import verify_block
+from blockspec.speculative.draft_loader import load_draft
+from blockspec.speculative.accept import verify_block
 
 
 class SpecWorker:

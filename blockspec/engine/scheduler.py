@@ -10,13 +10,13 @@ from typing import Protocol
 import torch
 from torch.profiler import record_function
 
-from blockspec.request import Request
-from blockspec.runner import ModelRunner
+from blockspec.engine.request import Request
+from blockspec.runtime.model_runner import ModelRunner
 from blockspec.sampling import logprobs_of, sample
 
 
 class Drafter(Protocol):
-    """What the scheduler needs from a speculative worker (see blockspec/spec/worker.py)."""
+    """What the scheduler needs from a speculative worker (see blockspec/speculative/worker.py)."""
 
     lookahead: int
 

@@ -10,10 +10,10 @@ import torch
 from blockspec.args import DeviceInfo, EngineArgs, resolve_attention_backends
 from blockspec.checkpoint import read_config, resolve_dtype
 from blockspec.models.loader import load_target
-from blockspec.request import Request
-from blockspec.runner import CacheSpec, ModelRunner
+from blockspec.engine.request import Request
+from blockspec.runtime.model_runner import CacheSpec, ModelRunner
 from blockspec.sampling import SamplingParams, make_generator
-from blockspec.scheduler import Scheduler
+from blockspec.engine.scheduler import Scheduler
 from blockspec.tokenizer import Tokenizer
 
 log = logging.getLogger("blockspec")
@@ -65,7 +65,7 @@ class Engine:
         self.runner = ModelRunner(self.model, cache, self.dtype, self.device)
         self.drafter = None
         if args.speculative_algorithm:
-            from blockspec.spec.worker import build_spec_worker
+            from blockspec.speculative.worker import build_spec_worker
 
             self.drafter = build_spec_worker(args, self.runner, self.dtype, self.device)
         eos = list(self.config.eos_token_id)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.cache import BlockAllocator, KVPool, MambaStatePool
-from blockspec.forward_batch import ForwardBatch, Mode
+from blockspec.engine.memory import BlockAllocator, KVPool, MambaStatePool
+from blockspec.runtime.metadata import ForwardBatch, Mode
 from blockspec.models.nemotron_h import ModelOutput, NemotronHForCausalLM
-from blockspec.request import Request
+from blockspec.engine.request import Request
 
 
 @dataclass

@@ -1,0 +1,2 @@
+"""Execution layer: batch metadata in static device buffers, the model runner, CUDA graphs and
+the sync-free sampler."""
