@@ -134,6 +134,27 @@ class ModelRunner:
         return list(logits.split([len(p) for p in prompts]))
 
     @torch.inference_mode()
+    def hidden_states(self, prompts: list[list[int]], layers: tuple[int, ...]) -> list[torch.Tensor]:
+        """Residual stream before each layer in ``layers`` (index ``num_layers`` = after the
+        last layer), concatenated per row: [L, len(layers) * H] per prompt. The same capture
+        that feeds a drafter while serving; used to train drafts. Caches are borrowed."""
+        reqs = [Request(rid=-1 - i, prompt_ids=list(p), params=None) for i, p in enumerate(prompts)]
+        for r in reqs:
+            if not self.can_admit(len(r.prompt_ids)):
+                raise RuntimeError("hidden_states: prompts do not fit the cache")
+            self.admit(r, len(r.prompt_ids))
+        saved, self.capture_layers = self.capture_layers, tuple(layers)
+        try:
+            fb = self._batch(Mode.EXTEND, reqs, [r.prompt_ids for r in reqs], [0] * len(reqs),
+                             logits_all=False)
+            aux = self.model(fb, self.kv, self.mamba).aux_hidden
+        finally:
+            self.capture_layers = saved
+            for r in reqs:
+                self.release(r)
+        return list(aux.split([len(p) for p in prompts]))
+
+    @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> ModelOutput:
         """One token per request: the last sampled token goes in at position num_cached."""
         fb = self._batch(Mode.DECODE, reqs, [[r.last_token] for r in reqs],
