@@ -23,11 +23,14 @@ class BackendInfo:
 
 # The backends this engine has. "torch_native": pool gather + SDPA with an explicit mask;
 # runs everywhere and is the oracle every faster backend is tested against.
+# "triton": paged kernel that reads K/V in place through the block table (decode, verify,
+# prefill, draft blocks), graph-capturable; needs a CUDA GPU (sm80+) and triton.
 BACKENDS: dict[str, BackendInfo] = {
     "torch_native": BackendInfo("torch_native", ("cpu", "cuda")),
+    "triton": BackendInfo("triton", ("cuda",), min_capability=80, needs_available="triton"),
 }
-# Preference order for auto, best first (a faster backend registers itself above).
-AUTO_ORDER: tuple[str, ...] = ("torch_native",)
+# Preference order for auto, best first.
+AUTO_ORDER: tuple[str, ...] = ("triton", "torch_native")
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ class EngineArgs:
     speculative_draft_model_path: str | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_draft_attention_backend: str | None = None
+    cuda_graph_max_bs: int = 32
+    disable_cuda_graph: bool = False
     log_level: str = "warning"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -141,7 +146,7 @@ class EngineArgs:
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             raise ArgsError("speculative_num_draft_tokens must be >= 2, "
                             f"got {self.speculative_num_draft_tokens}")
-        for name in ("max_running_requests", "chunked_prefill_size", "page_size"):
+        for name in ("max_running_requests", "chunked_prefill_size", "page_size", "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ArgsError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:

@@ -17,6 +17,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         if f.name == "extra":
             continue
         flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            p.add_argument(flag, action="store_true", default=argparse.SUPPRESS)
+            continue
         kind = int if f.type in ("int", "int | None") else str
         p.add_argument(flag, type=kind, default=argparse.SUPPRESS)
 

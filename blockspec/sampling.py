@@ -1,19 +1,20 @@
-"""Sampling parameters and the target's sampling distribution.
+"""Sampling parameters, the target's sampling distribution and the engine's random numbers.
 
 One module owns "what distribution does the target sample from", because speculative
 verification is only lossless when it accepts against exactly that distribution
-(``speculative/accept.py`` calls :func:`target_probs`, :func:`draw_uniforms` and
+(``speculative/accept.py`` calls :func:`target_probs`, :func:`uniforms` and
 :func:`inverse_cdf_sample` from here).
 
 Conventions shared by every tensor function below:
 
 * Math is fp32 (probabilities) / fp64 (CDFs and uniforms) whatever the logits dtype.
 * Rows are independent: a row's result depends only on its own logits, parameters and
-  generator, never on which other rows share the batch.
+  random numbers, never on which other rows share the batch.
 * Greedy rows (``SamplingParams.is_greedy``) are encoded as temperature 0 and are decided by
-  ``argmax`` of the raw logits (first maximum); they consume no randomness.
-* Randomness: row ``i`` draws only from ``generators[i]``; rows whose generator is ``None``
-  share the caller's ``fallback`` generator (torch's default generator when that is ``None``).
+  ``argmax`` of the raw logits (first maximum); random numbers given for them are ignored.
+* Nothing here reads a device tensor back to the host, so every function can run inside a
+  CUDA graph: the random numbers are a pure function of integers (:func:`uniforms`), not of
+  generator state, and filters are applied with masks rather than by selecting rows.
 """
 from __future__ import annotations
 
@@ -28,15 +29,15 @@ __all__ = [
     "SamplingParamsError",
     "target_probs",
     "params_to_tensors",
-    "draw_uniforms",
+    "Stream",
+    "uniforms",
+    "request_seed",
     "inverse_cdf_sample",
-    "sample_from_probs",
     "sample",
     "logprobs_of",
-    "make_generator",
 ]
 
-_SEED_LIMIT = 2**64  # torch.Generator.manual_seed accepts seeds below this
+_SEED_LIMIT = 2**64
 
 
 class SamplingParamsError(ValueError):
@@ -207,7 +208,7 @@ def _filter_rows(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+                 top_p: torch.Tensor, min_p: torch.Tensor, filters: bool = True) -> torch.Tensor:
     """The distribution the target actually samples from, [N, V] fp32.
 
     temperature == 0 rows: one-hot at argmax of the raw logits (first maximum).
@@ -215,73 +216,118 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     renormalised. Rows with no active filter are the plain tempered softmax (not
     re-divided by their sum), so a row's bits do not depend on its neighbours' filters.
     top_k <= 0 or >= V means off; top_p >= 1 off; min_p <= 0 off.
+
+    ``filters=False`` skips the filter pass (a sort over the vocabulary) when the caller
+    knows from the host-side parameters that no row has a filter on; the result is then
+    identical to ``filters=True``. No row is selected by a data-dependent index, so the
+    function never waits for the device.
     """
     if logits.dim() != 2:
         raise ValueError(f"target_probs expects logits [N, V], got shape {tuple(logits.shape)}")
     x = logits.float()
-    n_rows, vocab = x.shape
+    vocab = x.shape[1]
     dev = x.device
     temperature = temperature.to(dev, torch.float32)
-    top_k = top_k.to(dev, torch.long)
-    top_p = top_p.to(dev, torch.float32)
-    min_p = min_p.to(dev, torch.float32)
-
     greedy = temperature <= 0
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(x / safe_t[:, None], dim=-1)
-
-    need = ~greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1) | (min_p > 0))
-    rows = need.nonzero().squeeze(1)
-    if rows.numel():
-        probs[rows] = _filter_rows(probs[rows], top_k[rows], top_p[rows], min_p[rows])
-
-    if greedy.any():
-        one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
-    return probs
+    if filters:
+        top_k = top_k.to(dev, torch.long)
+        top_p = top_p.to(dev, torch.float32)
+        min_p = min_p.to(dev, torch.float32)
+        need = ~greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1) | (min_p > 0))
+        probs = torch.where(need[:, None], _filter_rows(probs, top_k, top_p, min_p), probs)
+    one_hot = torch.zeros_like(probs).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
 
 
-def draw_uniforms(generators: Sequence[torch.Generator | None], count: int,
-                  fallback: torch.Generator | None = None,
-                  device: torch.device | str | None = None) -> torch.Tensor:
-    """U[0, 1) fp64 uniforms, [N, count]; row i uses generators[i] only.
+# ---------------------------------------------------------------- random numbers
 
-    Each row with its own generator makes exactly one ``torch.rand(count)`` call on it, so a
-    seeded row gets the same numbers alone or in any batch. Rows whose generator is None (or
-    is ``fallback`` itself) share one ``torch.rand(k, count)`` call on the fallback, filled
-    in row order. A generator object shared by several rows is drawn in row order.
+class Stream:
+    """Independent streams of one request's random numbers (the ``stream`` of :func:`uniforms`).
+    Each (stream, counter) pair is used once per request, so no uniform is ever reused: a
+    uniform that decided one token must not also decide a later one (that would bias the
+    draft's proposal law and with it the rejection sampler)."""
+
+    SAMPLE = 0      # counter = output tokens so far: the token sampled after them
+    COIN = 1        # counter = verify steps so far; index j = acceptance coin of draft j
+    BONUS = 2       # counter = verify steps so far; the bonus / residual draw
+    DRAFT = 3       # counter = verify steps so far; index k = DSpark Markov-walk slot k
+    SIMULATE = 4    # counter = verify steps so far; benchmark's simulated acceptance
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) held in int64, without int64 overflow: the
+    constant is applied as two 16-bit halves."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (the 'lowbias32' xorshift-multiply construction): every input
+    bit affects every output bit, so consecutive counters give unrelated outputs."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int, width: int) -> torch.Tensor:
+    """U[0, 1) fp64 uniforms [N, width]: ``u[i, j]`` is a pure function of
+    (seeds[i], stream, counters[i], j).
+
+    Counter-based rather than generator-based: a seeded request gets the same numbers alone
+    or in any batch, on CPU and GPU alike (integer arithmetic is exact on both), and no
+    generator state has to live on the host, so sampling can be captured in a CUDA graph.
+    Each uniform carries 53 random bits from two 32-bit hashes. ``seeds`` are int64 (any
+    value; a uint64 seed is stored two's-complement); ``counters`` are below 2**32.
     """
-    n = len(generators)
-    out = torch.empty(n, count, dtype=torch.float64, device=device)
-    if n == 0 or count == 0:
-        return out
-    shared: list[int] = []
-    for i, g in enumerate(generators):
-        if g is None or g is fallback:
-            shared.append(i)
-        else:
-            out[i] = torch.rand(count, generator=g, device=g.device, dtype=torch.float64)
-    if shared:
-        fdev = fallback.device if fallback is not None else out.device
-        u = torch.rand(len(shared), count, generator=fallback, device=fdev, dtype=torch.float64)
-        out[torch.tensor(shared, device=out.device)] = u.to(out.device)
-    return out
+    seeds = seeds.to(torch.int64)
+    dev = seeds.device
+    lo = seeds & _M32
+    hi = (seeds >> 32) & _M32
+    # distinct odd constants per stage keep the all-zero input away from hash32's fixed point 0
+    h = _hash32(_hash32(lo ^ 0x6A09E667) ^ hi ^ 0xBB67AE85)
+    h = _hash32(h ^ (counters.to(dev, torch.int64) & _M32) ^ 0x3C6EF372)
+    col = torch.arange(width, device=dev, dtype=torch.int64) + (stream << 16)
+    h = _hash32(h[:, None] ^ _hash32(col ^ 0xA54FF53A)[None, :])
+    h2 = _hash32(h ^ 0x9E3779B9)
+    bits = (h >> 5) * (1 << 26) + (h2 >> 6)
+    return bits.to(torch.float64) * (2.0 ** -53)
 
 
-def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def request_seed(seed: int | None, default_seed: int, request_id: int) -> int:
+    """The int64 seed a request samples with: its own ``seed``, or one derived from the
+    engine's ``random_seed`` and the request id (so unseeded runs are reproducible from
+    ``--random-seed``). uint64 seeds map to int64 two's-complement."""
+    if seed is None:
+        g = torch.tensor([default_seed & ((1 << 63) - 1)], dtype=torch.int64)
+        seed = int(uniforms(g, torch.tensor([request_id & _M32]), 7, 1)[0, 0] * 2.0**53)
+        seed = (seed << 11) ^ (request_id >> 32)
+    seed = int(seed) % (1 << 64)
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor, check: bool = False) -> torch.Tensor:
     """Token per row by inverse CDF: the first index whose cumulative weight exceeds u * total.
 
     Weights need not be normalised. The CDF is fp64 and u * total is kept strictly below the
     total (even for u == 1), so a zero-weight token can never be returned: its CDF equals its
-    predecessor's, so the predecessor is found first. Rows without mass are an error.
+    predecessor's, so the predecessor is found first. ``check=True`` raises on rows without
+    mass (it reads the device, so the engine's hot path leaves it off).
     """
     w = weights.double().clamp_min(0.0)
     cdf = torch.cumsum(w, dim=-1)
     total = cdf[:, -1:]
-    bad = ~(total[:, 0] > 0)
-    if bad.any():
-        rows = bad.nonzero().squeeze(1).tolist()
-        raise ValueError(f"cannot sample: row(s) {rows} have no probability mass (zero or NaN)")
+    if check:
+        bad = ~(total[:, 0] > 0)
+        if bad.any():
+            rows = bad.nonzero().squeeze(1).tolist()
+            raise ValueError(f"cannot sample: row(s) {rows} have no probability mass (zero or NaN)")
     target = u.to(cdf.device, torch.float64)[:, None] * total
     # u comes from [0, 1), but a u of exactly 1 (or rounding) must not run past the last token
     # with mass, which would land on a zero-weight tail token.
@@ -290,31 +336,25 @@ def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_max(weights.shape[-1] - 1)
 
 
-def sample_from_probs(probs: torch.Tensor, generators: Sequence[torch.Generator | None],
-                      fallback: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of ``probs`` [N, V]; one uniform per row (see ``draw_uniforms``)."""
-    if len(generators) != probs.shape[0]:
-        raise ValueError(f"sample_from_probs: {probs.shape[0]} rows but {len(generators)} generators")
-    u = draw_uniforms(generators, 1, fallback, probs.device)[:, 0]
-    return inverse_cdf_sample(probs, u)
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+           top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor | None, *,
+           greedy_only: bool = False, filters: bool = True) -> torch.Tensor:
+    """Next token per row [N] (long): greedy rows (temperature 0) take the argmax of the raw
+    logits, the others invert the CDF of :func:`target_probs` at their uniform ``u`` [N].
 
-
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None],
-           fallback: torch.Generator | None = None) -> torch.Tensor:
-    """Next token per row [N] (long). Greedy rows take argmax of the raw logits and draw no
-    uniform; the other rows draw one uniform each from their generator."""
-    if not (logits.shape[0] == len(params) == len(generators)):
-        raise ValueError(f"sample: {logits.shape[0]} logits rows, {len(params)} params, "
-                         f"{len(generators)} generators")
-    out = logits.float().argmax(-1)
-    rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if rows:
-        idx = torch.tensor(rows, device=logits.device)
-        temperature, top_k, top_p, min_p = params_to_tensors([params[i] for i in rows], logits.device)
-        probs = target_probs(logits[idx], temperature, top_k, top_p, min_p)
-        out[idx] = sample_from_probs(probs, [generators[i] for i in rows], fallback)
-    return out
+    ``greedy_only`` / ``filters=False`` are host-side promises (from the requests'
+    parameters) that let the caller skip the softmax or the filter sort (``u`` may then be
+    None); they never change a result.
+    """
+    argmax = logits.argmax(-1)
+    if greedy_only:
+        return argmax
+    if u is None or not (logits.shape[0] == temperature.shape[0] == u.shape[0]):
+        raise ValueError(f"sample: {logits.shape[0]} logits rows, {temperature.shape[0]} "
+                         f"parameter rows, {None if u is None else u.shape[0]} uniforms")
+    probs = target_probs(logits, temperature, top_k, top_p, min_p, filters=filters)
+    drawn = inverse_cdf_sample(probs, u)
+    return torch.where(temperature.to(logits.device) <= 0, argmax, drawn)
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor,
@@ -332,18 +372,3 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor,
         x = x / torch.where(t > 0, t, torch.ones_like(t))[:, None]
     lp = torch.log_softmax(x, dim=-1)
     return lp.gather(1, tokens.to(x.device).long()[:, None]).squeeze(1)
-
-
-def make_generator(seed: int | None, device: torch.device | str = "cpu",
-                   fallback: torch.Generator | None = None) -> torch.Generator | None:
-    """A generator owned by one request: seeded requests get their own, so their tokens do
-    not depend on batch neighbours; unseeded requests get ``fallback`` (possibly None, which
-    the sampling functions also read as "use the fallback").
-
-    A CPU generator is a fine choice even for GPU sampling: only a few uniforms per row are
-    drawn, and the same seed then yields the same uniforms on every device."""
-    if seed is None:
-        return fallback
-    g = torch.Generator(device=device)
-    g.manual_seed(int(seed))
-    return g

@@ -14,6 +14,7 @@ from blockspec.models.dspark import (
     build_markov_head,
     run_markov_block,
 )
+from blockspec.sampling import Stream, uniforms
 
 H, V, R = 12, 10, 4
 
@@ -127,8 +128,9 @@ def test_greedy_walk_equals_step_by_step_argmax(head_type):
     head = make_head(head_type, seed=4)
     base, hidden, anchor = walk_inputs()
     b, gamma, _ = base.shape
-    tokens, q = run_markov_block(head, base, hidden, anchor, torch.ones(b, dtype=torch.bool),
-                                 torch.ones(b), None, None)
+    tokens, q = run_markov_block(head, base, hidden, anchor, torch.zeros(b), greedy_only=True)
+    t2, q2 = run_markov_block(head, base, hidden, anchor, torch.zeros(b), torch.rand(b, gamma))
+    assert torch.equal(t2, tokens) and torch.equal(q2, q)    # greedy rows ignore their uniforms
     prev, state = anchor, None
     for k in range(gamma):
         bias, state = head.step(prev, hidden[:, k], state)
@@ -148,24 +150,24 @@ def test_walk_feeds_back_drafted_tokens():
     bigram = Bigram(V, R, H, None, torch.float32)
     base, hidden, _ = walk_inputs(b=2, gamma=5)
     anchor = torch.tensor([2, 7])
-    tokens, _ = run_markov_block(bigram, base, hidden, anchor, torch.ones(2, dtype=torch.bool),
-                                 torch.ones(2), None, None)
+    tokens, _ = run_markov_block(bigram, base, hidden, anchor, torch.zeros(2), greedy_only=True)
     assert tokens.tolist() == [[3, 4, 5, 6, 7], [8, 9, 0, 1, 2]]
+
+
+def walk_uniforms(seeds: list[int], counter: int, gamma: int) -> torch.Tensor:
+    return uniforms(torch.tensor(seeds), torch.full((len(seeds),), counter), Stream.DRAFT, gamma)
 
 
 def test_sampled_walk_reproducible_and_probs_exact():
     head = make_head("rnn", seed=6)
     base, hidden, anchor = walk_inputs(b=3, gamma=4, seed=7)
-    greedy = torch.tensor([False, True, False])
-    temp = torch.tensor([0.7, 1.0, 1.3])          # greedy row 1 ignores its T
+    temp = torch.tensor([0.7, 0.0, 1.3])          # row 1 greedy
 
-    def run(seeds, fallback_seed=0, **kw):
-        gens = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
-        return run_markov_block(head, base, hidden, anchor, greedy, temp, gens,
-                                torch.Generator().manual_seed(fallback_seed), **kw)
+    def run(seeds, **kw):
+        return run_markov_block(head, base, hidden, anchor, temp, walk_uniforms(seeds, 0, 4), **kw)
 
-    t1, q1, l1 = run([11, None, 13], return_logits=True)
-    t2, q2 = run([11, None, 13])
+    t1, q1, l1 = run([11, 0, 13], return_logits=True)
+    t2, q2 = run([11, 0, 13])
     assert torch.equal(t1, t2) and torch.equal(q1, q2)
     # draft_probs are exactly softmax(corrected logits / T) along the tokens actually drawn
     prev, state = anchor, None
@@ -178,12 +180,11 @@ def test_sampled_walk_reproducible_and_probs_exact():
         assert torch.equal(q1[1, k], torch.nn.functional.one_hot(logits[1].argmax(), V).float())
         prev = t1[:, k]
     # the seeds matter: other seeds give another block somewhere over a few tries
-    assert any(not torch.equal(run([s, None, s + 1])[0], t1) for s in range(20, 30))
-    # a seeded row does not depend on the fallback generator or on its batch neighbours
-    t3, _ = run([11, None, 13], fallback_seed=99)
+    assert any(not torch.equal(run([s, 0, s + 1])[0], t1) for s in range(20, 30))
+    # a seeded row does not depend on its batch neighbours
+    t3, _ = run([11, 99, 13])
     assert torch.equal(t3[[0, 2]], t1[[0, 2]])
-    solo = run_markov_block(head, base[:1], hidden[:1], anchor[:1], greedy[:1], temp[:1],
-                            [torch.Generator().manual_seed(11)], None)[0]
+    solo = run_markov_block(head, base[:1], hidden[:1], anchor[:1], temp[:1], walk_uniforms([11], 0, 4))[0]
     assert torch.equal(solo[0], t1[0])
 
 
@@ -194,22 +195,21 @@ def test_sampling_follows_the_draft_distribution():
     hidden = torch.zeros(n, 1, H)
     anchor = torch.full((n,), 3)
     temp = torch.full((n,), 0.8)
-    tokens, q = run_markov_block(head, base, hidden, anchor, torch.zeros(n, dtype=torch.bool),
-                                 temp, None, torch.Generator().manual_seed(1))
+    tokens, q = run_markov_block(head, base, hidden, anchor, temp, walk_uniforms(list(range(n)), 0, 1))
     freq = torch.bincount(tokens[:, 0], minlength=V).float() / n
     assert (freq - q[0, 0]).abs().max() < 0.03
     assert len(set(tokens[:, 0].tolist())) > 1
 
 
-def test_zero_temperature_sampled_row_is_clamped_not_nan():
+def test_zero_temperature_row_is_greedy_and_finite():
     head = make_head("gated", seed=9)
     base, hidden, anchor = walk_inputs(b=1, gamma=3)
-    t, q = run_markov_block(head, base, hidden, anchor, torch.tensor([False]), torch.tensor([0.0]),
-                            [torch.Generator().manual_seed(0)], None)
+    t, q = run_markov_block(head, base, hidden, anchor, torch.tensor([0.0]), walk_uniforms([0], 0, 3))
     assert torch.isfinite(q).all()
-    g, _ = run_markov_block(head, base, hidden, anchor, torch.tensor([True]), torch.tensor([0.0]),
-                            None, None)
+    g, _ = run_markov_block(head, base, hidden, anchor, torch.tensor([0.0]), greedy_only=True)
     assert torch.equal(t, g)
+    with pytest.raises(ValueError, match="uniforms"):
+        run_markov_block(head, base, hidden, anchor, torch.tensor([1.0]))
 
 
 # ---- the full DSpark model ----------------------------------------------------------------
@@ -258,8 +258,7 @@ def test_dspark_end_to_end_shapes_both_layouts():
         h = model.select_draft_hidden(model.forward_block(x, pos, ks, vs, valid))
         assert h.shape == (2, cfg.gamma, H)
         base = h @ table.T
-        tokens, q = model.markov_walk(base, h, torch.tensor([1, 2]),
-                                      torch.tensor([True, False]), torch.tensor([0.0, 1.0]),
-                                      [None, torch.Generator().manual_seed(3)], None)
+        tokens, q = model.markov_walk(base, h, torch.tensor([1, 2]), torch.tensor([0.0, 1.0]),
+                                      walk_uniforms([0, 3], 0, cfg.gamma))
         assert tokens.shape == (2, cfg.gamma) and q.shape == (2, cfg.gamma, V)
         torch.testing.assert_close(q.sum(-1), torch.ones(2, cfg.gamma))

@@ -10,14 +10,14 @@ from scipy.stats import chisquare
 from blockspec.sampling import (
     SamplingParams,
     SamplingParamsError,
-    draw_uniforms,
+    Stream,
     inverse_cdf_sample,
     logprobs_of,
-    make_generator,
     params_to_tensors,
+    request_seed,
     sample,
-    sample_from_probs,
     target_probs,
+    uniforms,
 )
 
 
@@ -143,7 +143,7 @@ def test_greedy_is_one_hot_at_first_argmax():
     t, k, p, m = probs_tensors([SamplingParams(temperature=0)] * 2)
     probs = target_probs(logits, t, k, p, m)
     assert probs.tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]
-    out = sample(logits, [SamplingParams(temperature=0)] * 2, [None, None])
+    out = sample(logits, t, k, p, m, None, greedy_only=True)
     assert out.tolist() == [1, 0]
 
 
@@ -214,54 +214,92 @@ def test_target_probs_fp32_from_bf16_logits():
 # ---------------------------------------------------------------- sampling
 
 
+def draw(params: list[SamplingParams], logits: torch.Tensor, seeds: list[int], counters: list[int],
+         **kw) -> torch.Tensor:
+    """The engine's sampling call: per-row uniforms from (seed, counter), then ``sample``."""
+    u = uniforms(torch.tensor(seeds), torch.tensor(counters), Stream.SAMPLE, 1)[:, 0]
+    return sample(logits, *probs_tensors(params), u, **kw)
+
+
 def test_seeded_sampling_same_alone_and_in_mixed_batch():
     torch.manual_seed(1)
     vocab, steps = 200, 12
     logits = torch.randn(steps, 4, vocab) * 2
     params = [SamplingParams(temperature=1.2, seed=7), SamplingParams(temperature=0),
               SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.0, top_k=50, seed=99)]
-    fallback = torch.Generator().manual_seed(123)
-    gens = [make_generator(p.seed, "cpu", fallback) for p in params]
-    batched = torch.stack([sample(logits[s], params, gens, fallback) for s in range(steps)])
+    seeds = [request_seed(p.seed, 123, rid) for rid, p in enumerate(params)]
+    batched = torch.stack([draw(params, logits[s], seeds, [s] * 4) for s in range(steps)])
 
     for row in (0, 3):
-        g = make_generator(params[row].seed, "cpu")
-        alone = torch.stack([sample(logits[s, row:row + 1], [params[row]], [g]) for s in range(steps)])
+        alone = torch.stack([draw([params[row]], logits[s, row:row + 1], [seeds[row]], [s])
+                             for s in range(steps)])
         assert torch.equal(alone[:, 0], batched[:, row])
     assert torch.equal(batched[:, 1], logits[:, 1].argmax(-1))
     assert len(set(batched[:, 0].tolist())) > 3  # really sampled, not stuck on one token
 
 
-def test_greedy_rows_draw_no_randomness():
-    fallback = torch.Generator().manual_seed(5)
-    before = fallback.get_state()
-    sample(torch.randn(3, 10), [SamplingParams(temperature=0)] * 3, [None] * 3, fallback)
-    assert torch.equal(before, fallback.get_state())
+def test_greedy_rows_ignore_their_uniforms():
+    logits = torch.randn(3, 10)
+    params = [SamplingParams(temperature=0)] * 3
+    for u in (torch.zeros(3, dtype=torch.float64), torch.full((3,), 0.999, dtype=torch.float64)):
+        assert torch.equal(sample(logits, *probs_tensors(params), u), logits.argmax(-1))
+    assert torch.equal(sample(logits, *probs_tensors(params), None, greedy_only=True), logits.argmax(-1))
+    with pytest.raises(ValueError, match="uniforms"):
+        sample(logits, *probs_tensors([SamplingParams(temperature=1.0)] * 3), None)
 
 
-def test_make_generator():
-    fallback = torch.Generator()
-    assert make_generator(None, "cpu", fallback) is fallback
-    assert make_generator(None, "cpu") is None
-    a, b = make_generator(3, "cpu"), make_generator(3, "cpu")
-    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+def test_request_seed():
+    assert request_seed(3, 0, 0) == request_seed(3, 99, 5) == 3
+    assert request_seed(2**64 - 1, 0, 0) == -1            # uint64 seeds stored two's-complement
+    derived = [request_seed(None, 0, rid) for rid in range(50)]
+    assert len(set(derived)) == 50
+    assert derived == [request_seed(None, 0, rid) for rid in range(50)]    # reproducible
+    assert request_seed(None, 1, 0) != request_seed(None, 0, 0)           # --random-seed matters
+    assert all(-2**63 <= s < 2**63 for s in derived)
 
 
-def test_draw_uniforms_per_row_generators():
-    gens = [make_generator(11, "cpu"), None, make_generator(12, "cpu"), None]
-    u = draw_uniforms(gens, 3, torch.Generator().manual_seed(0))
-    assert u.shape == (4, 3) and u.dtype == torch.float64
-    assert torch.equal(u[0], torch.rand(3, generator=make_generator(11, "cpu"), dtype=torch.float64))
-    assert torch.equal(u[2], torch.rand(3, generator=make_generator(12, "cpu"), dtype=torch.float64))
+def test_uniforms_are_a_pure_function_of_seed_counter_stream_index():
+    seeds = torch.tensor([0, 1, -5, 2**40, 2**62])
+    counters = torch.tensor([0, 0, 3, 7, 2**31])
+    u = uniforms(seeds, counters, Stream.COIN, 4)
+    assert u.shape == (5, 4) and u.dtype == torch.float64
     assert ((u >= 0) & (u < 1)).all()
+    assert torch.equal(u, uniforms(seeds, counters, Stream.COIN, 4))
+    for i in range(5):                                    # a row does not depend on its batch
+        assert torch.equal(u[i], uniforms(seeds[i:i + 1], counters[i:i + 1], Stream.COIN, 4)[0])
+    assert torch.equal(u[:, :2], uniforms(seeds, counters, Stream.COIN, 2))   # width is a prefix
+    assert not torch.equal(u, uniforms(seeds, counters, Stream.BONUS, 4))
+    assert not torch.equal(u, uniforms(seeds, counters + 1, Stream.COIN, 4))
+    assert len(set(u.flatten().tolist())) == 20
+
+
+def test_uniforms_are_uniform_and_independent():
+    """Chi-square on 20 bins over consecutive seeds and consecutive counters, and on 8 x 8
+    bins of pairs that the engine uses together (neighbouring counters, two streams). Five
+    tests: each at 0.002, so the family is at 0.01 (Bonferroni)."""
+    n = 40_000
+    idx = torch.arange(n)
+    edges = torch.linspace(0, 1, 21, dtype=torch.float64)[1:-1]
+    for u in (uniforms(idx, torch.zeros(n, dtype=torch.long), Stream.SAMPLE, 1)[:, 0],
+              uniforms(torch.full((n,), 7), idx, Stream.SAMPLE, 1)[:, 0],
+              uniforms(torch.tensor([7]), torch.tensor([0]), Stream.COIN, n)[0]):
+        counts = torch.bincount(torch.bucketize(u, edges), minlength=20)
+        assert_distribution(counts, torch.full((20,), 0.05), min_p_value=0.002)
+    seeds = torch.arange(n) * 3 + 11
+    pairs = [(uniforms(seeds, idx, Stream.SAMPLE, 1)[:, 0], uniforms(seeds, idx + 1, Stream.SAMPLE, 1)[:, 0]),
+             (uniforms(seeds, idx, Stream.COIN, 1)[:, 0], uniforms(seeds, idx, Stream.BONUS, 1)[:, 0])]
+    e8 = torch.linspace(0, 1, 9, dtype=torch.float64)[1:-1]
+    for a, b in pairs:
+        cell = torch.bucketize(a, e8) * 8 + torch.bucketize(b, e8)
+        assert_distribution(torch.bincount(cell, minlength=64), torch.full((64,), 1 / 64), min_p_value=0.002)
 
 
 def test_zero_probability_tokens_never_sampled():
     probs = torch.zeros(1, 12)
     probs[0, [1, 4, 5, 10]] = torch.tensor([0.3, 1e-7, 0.5, 0.2])  # zeros first, between, last
     n = 100_000
-    fallback = torch.Generator().manual_seed(2)
-    tokens = sample_from_probs(probs.expand(n, -1), [None] * n, fallback)
+    u = uniforms(torch.arange(n), torch.zeros(n, dtype=torch.long), Stream.SAMPLE, 1)[:, 0]
+    tokens = inverse_cdf_sample(probs.expand(n, -1), u)
     assert set(tokens.unique().tolist()) <= {1, 4, 5, 10}
     # edge uniforms: 0 hits the first token with mass, the largest u below 1 the last one
     edge = torch.tensor([0.0, 1.0 - 2.0**-53, 1.0, 0.3, 0.3 + 1e-7], dtype=torch.float64)
@@ -275,27 +313,37 @@ def test_inverse_cdf_unnormalised_weights_and_empty_rows():
     assert inverse_cdf_sample(w, torch.tensor([0.2])).tolist() == [1]
     assert inverse_cdf_sample(w, torch.tensor([0.25])).tolist() == [3]
     with pytest.raises(ValueError, match="no probability mass"):
-        inverse_cdf_sample(torch.zeros(2, 3), torch.tensor([0.1, 0.2]))
+        inverse_cdf_sample(torch.zeros(2, 3), torch.tensor([0.1, 0.2]), check=True)
 
 
-def test_sample_from_probs_matches_distribution():
+def test_inverse_cdf_sampling_matches_distribution():
     torch.manual_seed(3)
     probs = torch.softmax(torch.randn(8), -1)
     probs[2] = 0
     probs = probs / probs.sum()
     n = 40_000
-    tokens = sample_from_probs(probs.expand(n, -1), [None] * n, torch.Generator().manual_seed(4))
+    u = uniforms(torch.arange(n) + 5, torch.zeros(n, dtype=torch.long), Stream.SAMPLE, 1)[:, 0]
+    tokens = inverse_cdf_sample(probs.expand(n, -1), u)
     assert_distribution(torch.bincount(tokens, minlength=8), probs)
 
 
-def test_sample_matches_filtered_distribution():
-    params = SamplingParams(temperature=0.8, top_k=3, top_p=0.95)
+@pytest.mark.parametrize("filters", [True, False])
+def test_sample_matches_filtered_distribution(filters):
+    params = SamplingParams(temperature=0.8, top_k=3, top_p=0.95) if filters else SamplingParams(temperature=0.8)
     logits = BASE.log()
     expected = target_probs(logits[None], *probs_tensors([params]))[0]
     n = 30_000
-    tokens = sample(logits.expand(n, -1), [params] * n, [None] * n, torch.Generator().manual_seed(6))
+    tokens = draw([params] * n, logits.expand(n, -1), list(range(n)), [0] * n, filters=filters)
     assert_distribution(torch.bincount(tokens, minlength=4), expected)
-    assert expected[0] == 0
+    assert (expected[0] == 0) == filters
+
+
+def test_target_probs_without_filter_pass_is_identical():
+    """filters=False is a promise that no row filters; then it must change nothing."""
+    logits = torch.randn(5, 30)
+    params = [SamplingParams(temperature=t) for t in (0.0, 0.5, 1.0, 1.7, 0.0)]
+    assert torch.equal(target_probs(logits, *probs_tensors(params)),
+                       target_probs(logits, *probs_tensors(params), filters=False))
 
 
 def test_logprobs_of_raw_logits_and_tempered():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from blockspec.quant import triton_w4a16 as tw
+from blockspec.layers.moe import sort_by_expert
 from blockspec.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
 needs_triton = pytest.mark.skipif(not tw.triton_available(), reason="triton not importable")
@@ -52,7 +53,7 @@ def test_expert_blocks_cover_rows_without_straddling():
 
 def test_sort_by_expert():
     topk = torch.tensor([[2, 0], [2, 3], [1, 2]])
-    order, offsets = tw.sort_by_expert(topk, 5)
+    order, offsets = sort_by_expert(topk, 5)
     assert offsets.tolist() == [0, 1, 2, 5, 6, 6]
     assert topk.reshape(-1)[order].tolist() == [0, 1, 2, 2, 2, 3]
 
@@ -258,7 +259,7 @@ def test_grouped_kernel_gpu(variant, n, k, tokens):
     g = torch.Generator(device="cuda").manual_seed(tokens)
     topk = torch.stack([torch.randperm(e, device="cuda", generator=g)[:top_k]
                         for _ in range(tokens)])
-    order, offsets = tw.sort_by_expert(topk, e)
+    order, offsets = sort_by_expert(topk, e)
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     xs = x[order // top_k]
     y = tw.grouped_w4a16(xs, offsets, w, s, s2, variant=variant)

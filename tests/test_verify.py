@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from blockspec.sampling import SamplingParams, make_generator, params_to_tensors, target_probs
+from blockspec.sampling import SamplingParams, Stream, params_to_tensors, target_probs, uniforms
 from blockspec.speculative.accept import (
     build_out_tokens,
     committed_tokens,
@@ -38,6 +38,17 @@ def assert_distribution(observed: dict, expected: dict, min_p_value: float = 0.0
         obs = torch.cat([obs[~small], obs[small].sum()[None]])
     p_value = chisquare(obs.numpy(), exp.numpy()).pvalue
     assert p_value > min_p_value, f"chi-square p={p_value:.2e}\nobserved={obs}\nexpected={exp}"
+
+
+def coins(b: int, n: int, seed: int) -> torch.Tensor:
+    """[b, n+1] fp64 uniforms: acceptance coins then the bonus draw (rejection_accept's u)."""
+    return torch.rand(b, n + 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def engine_uniforms(seeds: list[int], counter: int, n: int) -> torch.Tensor:
+    """The uniforms the engine hands verify_block for one step (COIN stream, then BONUS)."""
+    s, c = torch.tensor(seeds), torch.full((len(seeds),), counter)
+    return torch.cat([uniforms(s, c, Stream.COIN, n), uniforms(s, c, Stream.BONUS, 1)], dim=1)
 
 
 def random_dist(*shape: int, gen: torch.Generator, sparsity: float = 0.0) -> torch.Tensor:
@@ -161,8 +172,7 @@ def run_many(p, q, drafts, samples, seed):
     b = samples
     d = torch.tensor(drafts).expand(b, -1)
     qq = q.expand(b, -1, -1) if q is not None else None
-    a, bonus = rejection_accept(d, qq, p.expand(b, -1, -1), [None] * b,
-                                torch.Generator().manual_seed(seed))
+    a, bonus = rejection_accept(d, qq, p.expand(b, -1, -1), coins(b, len(drafts), seed))
     return Counter(zip(a.tolist(), bonus.tolist()))
 
 
@@ -240,7 +250,7 @@ def test_lossless_marginals_random_p_q(point_mass):
         # any draft chosen independently of the coins is fine for a point-mass q
         drafts = torch.randint(vocab, (b, n), generator=gen)
     a, bonus = rejection_accept(drafts, None if point_mass else q.expand(b, -1, -1),
-                                p.expand(b, -1, -1), [None] * b, torch.Generator().manual_seed(12))
+                                p.expand(b, -1, -1), coins(b, n, 12))
     first, second, has_second = first_two_emitted(drafts, a, bonus)
     assert_distribution(Counter(first.tolist()), dict(enumerate(p[0].tolist())))
     assert_distribution(Counter(second[has_second].tolist()), dict(enumerate(p[1].tolist())))
@@ -255,7 +265,7 @@ def test_lossless_speculative_loop_joint_of_three_tokens(point_mass):
     vocab, n, b, steps = 3, 2, 20_000, 3
     target = torch.softmax(markov_chain(vocab, gen, 1.0), -1)  # [V, V] p(next | prev)
     draft = torch.softmax(markov_chain(vocab, gen, 1.5), -1)
-    coins = torch.Generator().manual_seed(22)
+    coin_gen = torch.Generator().manual_seed(22)
 
     anchor = torch.zeros(b, dtype=torch.long)
     emitted: list[list[int]] = [[] for _ in range(b)]
@@ -271,7 +281,8 @@ def test_lossless_speculative_loop_joint_of_three_tokens(point_mass):
         cand = torch.cat([anchor[:, None], drafts_t], 1)
         p = target[cand]  # [B, n+1, V]
         q = None if point_mass else torch.stack(probs, 1)
-        a, bonus = rejection_accept(drafts_t, q, p, [None] * b, coins)
+        u = torch.rand(b, n + 1, generator=coin_gen, dtype=torch.float64)
+        a, bonus = rejection_accept(drafts_t, q, p, u)
         for row, toks in zip(emitted, committed_tokens(drafts_t, a, bonus)):
             row.extend(toks)
         anchor = bonus
@@ -288,7 +299,7 @@ def test_lossless_speculative_loop_joint_of_three_tokens(point_mass):
 def test_point_mass_certain_target_always_accepts():
     drafts = torch.tensor([[2, 0], [1, 1]])
     p = torch.nn.functional.one_hot(torch.tensor([[2, 0, 1], [1, 1, 3]]), 4).float()
-    a, bonus = rejection_accept(drafts, None, p, [None, None], torch.Generator().manual_seed(0))
+    a, bonus = rejection_accept(drafts, None, p, coins(2, 2, 0))
     assert a.tolist() == [2, 2] and bonus.tolist() == [1, 3]
 
 
@@ -298,15 +309,14 @@ def test_degenerate_residual_falls_back_to_p():
     p = torch.tensor([[[0.2, 0.2, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]]).expand(500, -1, -1)
     q = torch.tensor([[[0.5, 0.5, 0.0, 0.0]]]).expand(500, -1, -1)
     drafts = torch.zeros(500, 1, dtype=torch.long)
-    a, bonus = rejection_accept(drafts, q, p, [None] * 500, torch.Generator().manual_seed(3))
+    a, bonus = rejection_accept(drafts, q, p, coins(500, 1, 3))
     assert (a == 0).any()
     assert set(bonus[a == 0].tolist()) <= {0, 1}
 
 
 def test_no_drafts_samples_from_row_zero():
     p = torch.tensor([[[0.0, 0.7, 0.3]]]).expand(5_000, -1, -1)
-    a, bonus = rejection_accept(torch.zeros(5_000, 0, dtype=torch.long), None, p, [None] * 5_000,
-                                torch.Generator().manual_seed(4))
+    a, bonus = rejection_accept(torch.zeros(5_000, 0, dtype=torch.long), None, p, coins(5_000, 0, 4))
     assert (a == 0).all()
     assert_distribution(Counter(bonus.tolist()), {0: 0.0, 1: 0.7, 2: 0.3})
 
@@ -325,8 +335,8 @@ def test_verify_block_mixed_batch():
     drafts = logits[:, :n].argmax(-1)
     drafts[0, 1] = (drafts[0, 1] + 1) % vocab  # greedy row 0 rejects at 1
     q = random_dist(b, n, vocab, gen=gen)
-    gens = [make_generator(p.seed, "cpu") for p in params]
-    a, bonus = verify_block(drafts, logits, q, params, gens, torch.Generator().manual_seed(0))
+    u = coins(b, n, 0)
+    a, bonus = verify_block(drafts, logits, q, *params_to_tensors(params), u)
 
     ga, gb = greedy_accept(drafts[[0, 2]], logits[[0, 2]])
     assert a[[0, 2]].tolist() == ga.tolist() and bonus[[0, 2]].tolist() == gb.tolist()
@@ -335,18 +345,24 @@ def test_verify_block_mixed_batch():
     for row in (1, 3):
         t, k, tp, mp = params_to_tensors([params[row]] * (n + 1), "cpu")
         p = target_probs(logits[row], t, k, tp, mp)[None]
-        ra, rb = rejection_accept(drafts[row:row + 1], q[row:row + 1], p,
-                                  [make_generator(params[row].seed, "cpu")])
+        ra, rb = rejection_accept(drafts[row:row + 1], q[row:row + 1], p, u[row:row + 1])
         assert (a[row].item(), bonus[row].item()) == (ra.item(), rb.item())
+    # the host-side promises skip work and change nothing
+    greedy = [params[0], params[2]]
+    ga2, gb2 = verify_block(drafts[[0, 2]], logits[[0, 2]], None, *params_to_tensors(greedy), None,
+                            greedy_only=True)
+    assert ga2.tolist() == ga.tolist() and gb2.tolist() == gb.tolist()
 
 
-def test_verify_block_greedy_rows_draw_no_randomness():
+def test_verify_block_greedy_rows_ignore_uniforms():
     logits = torch.randn(2, 3, 6)
-    fallback = torch.Generator().manual_seed(8)
-    state = fallback.get_state()
-    verify_block(logits[:, :2].argmax(-1), logits, None, [SamplingParams(temperature=0)] * 2,
-                 [None, None], fallback)
-    assert torch.equal(state, fallback.get_state())
+    drafts = logits[:, :2].argmax(-1)
+    t = params_to_tensors([SamplingParams(temperature=0)] * 2)
+    outs = {tuple(map(tuple, (x.tolist() for x in verify_block(drafts, logits, None, *t, u))))
+            for u in (coins(2, 2, 1), coins(2, 2, 2), torch.zeros(2, 3, dtype=torch.float64))}
+    assert len(outs) == 1
+    with pytest.raises(ValueError, match="uniforms"):
+        verify_block(drafts, logits, None, *params_to_tensors([SamplingParams(temperature=1.0)] * 2), None)
 
 
 def test_verify_block_seeded_rows_same_alone_and_batched():
@@ -355,19 +371,18 @@ def test_verify_block_seeded_rows_same_alone_and_batched():
     params = [SamplingParams(temperature=1.0, seed=100), SamplingParams(temperature=0.8),
               SamplingParams(temperature=0), SamplingParams(temperature=1.3, min_p=0.05, seed=200)]
     b = len(params)
-    fallback = torch.Generator().manual_seed(0)
-    batch_gens = [make_generator(p.seed, "cpu", fallback) for p in params]
-    alone_gens = {r: make_generator(params[r].seed, "cpu") for r in (0, 3)}
+    seeds = [100, 12345, 0, 200]
     lengths = Counter()
-    for _ in range(steps):
+    for step in range(steps):
         logits = torch.randn(b, n + 1, vocab, generator=gen)
         drafts = torch.randint(vocab, (b, n), generator=gen)
         drafts[:, 0] = logits[:, 0].argmax(-1)  # make acceptance likely enough to vary
         q = random_dist(b, n, vocab, gen=gen)
-        a, bonus = verify_block(drafts, logits, q, params, batch_gens, fallback)
+        a, bonus = verify_block(drafts, logits, q, *params_to_tensors(params),
+                                engine_uniforms(seeds, step, n))
         for r in (0, 3):
-            ra, rb = verify_block(drafts[r:r + 1], logits[r:r + 1], q[r:r + 1], [params[r]],
-                                  [alone_gens[r]])
+            ra, rb = verify_block(drafts[r:r + 1], logits[r:r + 1], q[r:r + 1],
+                                  *params_to_tensors([params[r]]), engine_uniforms([seeds[r]], step, n))
             assert (ra.item(), rb.item()) == (a[r].item(), bonus[r].item())
             lengths[a[r].item()] += 1
     assert len(lengths) >= 2
@@ -378,8 +393,8 @@ def test_verify_block_point_mass_sampled_rows():
     logits = torch.randn(3, 3, 5, generator=gen)
     drafts = torch.randint(5, (3, 2), generator=gen)
     params = [SamplingParams(temperature=0.5, seed=s) for s in (1, 2, 3)]
-    a1, b1 = verify_block(drafts, logits, None, params, [make_generator(p.seed) for p in params])
-    a2, b2 = verify_block(drafts, logits, None, params, [make_generator(p.seed) for p in params])
+    a1, b1 = verify_block(drafts, logits, None, *params_to_tensors(params), engine_uniforms([1, 2, 3], 0, 2))
+    a2, b2 = verify_block(drafts, logits, None, *params_to_tensors(params), engine_uniforms([1, 2, 3], 0, 2))
     assert torch.equal(a1, a2) and torch.equal(b1, b2)
     assert ((a1 >= 0) & (a1 <= 2)).all()
 

@@ -179,13 +179,14 @@ def _dense_inputs(name: str, m: int) -> tuple:
 
 
 def _grouped_inputs(name: str, tokens: int) -> tuple:
+    from blockspec.layers.moe import sort_by_expert
     from blockspec.quant import triton_w4a16 as tw
 
     w, s, s2 = _grouped_problem(name)
     g = torch.Generator(device="cuda").manual_seed(tokens)
     topk = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=g)[:TOP_K]
                         for _ in range(tokens)])
-    order, offsets = tw.sort_by_expert(topk, EXPERTS)
+    order, offsets = sort_by_expert(topk, EXPERTS)
     x = torch.randn(tokens, SHAPES[name][1], device="cuda", generator=g).bfloat16()
     x = x[order // TOP_K].contiguous()
     return x, offsets, tw.grouped_blocks(offsets, x.shape[0]), w, s, s2

@@ -9,11 +9,13 @@ import torch
 
 from blockspec.args import DeviceInfo, EngineArgs, resolve_attention_backends
 from blockspec.checkpoint import read_config, resolve_dtype
-from blockspec.models.loader import load_target
+from blockspec.engine.memory import CacheLayout, MemoryManager
 from blockspec.engine.request import Request
-from blockspec.runtime.model_runner import CacheSpec, ModelRunner
-from blockspec.sampling import SamplingParams, make_generator
 from blockspec.engine.scheduler import Scheduler
+from blockspec.models.loader import load_target
+from blockspec.models.nemotron_h_config import NemotronHConfig
+from blockspec.runtime.model_runner import ModelRunner, RunnerOptions
+from blockspec.sampling import SamplingParams
 from blockspec.tokenizer import Tokenizer
 
 log = logging.getLogger("blockspec")
@@ -40,6 +42,23 @@ def device_info(dev: torch.device) -> DeviceInfo:
     return DeviceInfo("cuda", major * 10 + minor)
 
 
+def available_modules() -> frozenset[str]:
+    """Optional modules backends need (``BackendInfo.needs_available``)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return frozenset()
+    return frozenset({"triton"})
+
+
+def cache_layout(cfg: NemotronHConfig) -> CacheLayout:
+    return CacheLayout(
+        num_attention_layers=len(cfg.layer_ids("attention")), num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, num_mamba_layers=len(cfg.layer_ids("mamba")), conv_dim=cfg.conv_dim,
+        conv_kernel=cfg.conv_kernel, mamba_heads=cfg.mamba_num_heads,
+        mamba_head_dim=cfg.mamba_head_dim, ssm_state_size=cfg.ssm_state_size)
+
+
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.args = args = EngineArgs.from_kwargs(model_path=model_path, **kwargs)
@@ -54,25 +73,30 @@ class Engine:
             prefill_attention_backend=args.prefill_attention_backend,
             decode_attention_backend=args.decode_attention_backend,
             speculative_draft_attention_backend=args.speculative_draft_attention_backend,
-            speculative_algorithm=args.speculative_algorithm)
+            speculative_algorithm=args.speculative_algorithm, available=available_modules())
         raw = read_config(args.model_path)
         self.dtype = resolve_dtype(args.dtype, raw, self.device)
         self.model, self.config = load_target(args.model_path, self.dtype, self.device)
         tok_dir = Path(args.tokenizer_path or args.model_path)
         self.tokenizer = Tokenizer(tok_dir) if Tokenizer.exists(tok_dir) else None
-        cache = CacheSpec(max_total_tokens=args.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS,
-                          max_running_requests=args.max_running_requests, page_size=args.page_size)
-        self.runner = ModelRunner(self.model, cache, self.dtype, self.device)
+        self.memory = MemoryManager(
+            cache_layout(self.config), max_total_tokens=args.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS,
+            max_requests=args.max_running_requests, page_size=args.page_size, dtype=self.dtype,
+            device=self.device)
+        self.runner = ModelRunner(self.model, self.memory, self.backends, RunnerOptions(
+            max_batch_size=args.max_running_requests, use_cuda_graph=not args.disable_cuda_graph,
+            cuda_graph_max_bs=args.cuda_graph_max_bs))
         self.drafter = None
         if args.speculative_algorithm:
             from blockspec.speculative.worker import build_spec_worker
 
-            self.drafter = build_spec_worker(args, self.runner, self.dtype, self.device)
+            self.drafter = build_spec_worker(args, self.runner, self.backends.draft, self.dtype,
+                                             self.device)
         eos = list(self.config.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(
-            self.runner, eos_token_ids=eos, chunked_prefill_size=args.chunked_prefill_size,
+            self.runner, self.memory, eos_token_ids=eos, chunked_prefill_size=args.chunked_prefill_size,
             detokenize=self.tokenizer.decode if self.tokenizer else None,
             drafter=self.drafter, seed=args.random_seed)
         self._next_rid = 0
@@ -88,9 +112,7 @@ class Engine:
         params = self._normalize_params(sampling_params, len(id_lists))
         reqs = []
         for ids, p in zip(id_lists, params):
-            gen = make_generator(p.seed, self.device)
-            req = Request(rid=self._next_rid, prompt_ids=ids, params=p, generator=gen,
-                          return_logprob=return_logprob)
+            req = Request(rid=self._next_rid, prompt_ids=ids, params=p, return_logprob=return_logprob)
             self._next_rid += 1
             reqs.append(req)
         for req in reqs:
@@ -107,6 +129,7 @@ class Engine:
     def shutdown(self) -> None:
         self.scheduler = None
         self.runner = None
+        self.memory = None
         self.model = None
         self.drafter = None
 

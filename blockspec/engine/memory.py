@@ -1,27 +1,32 @@
-"""Caches with capacity known up front.
+"""Every cache the engine holds, sized up front, and the admission arithmetic over them.
 
-* ``BlockAllocator`` hands out fixed-size KV blocks; a request's block table maps position p to
-  slot ``table[p // block_size] * block_size + p % block_size`` in every paged pool, so the
-  target KV pool and the draft context pool share one table. A verify appends rows, and
-  discarding rejected rows is just a shorter length: nothing is copied.
-* ``KVPool`` holds K and V for the attention layers of one model, flat over slots.
-* ``MambaStatePool`` holds the conv window and the fp32 SSM state of each Mamba layer per
-  request slot.
+* ``BlockAllocator`` hands out fixed-size KV pages. A request's pages are written once, at
+  admission, into its row of the device ``block_table`` [max_requests + 1, max_pages]; position
+  p of request r lives at flat slot ``block_table[r, p // page] * page + p % page`` in every
+  paged pool, so the target KV pool and the draft context pool share one table. A verify
+  appends rows; discarding rejected rows is just a shorter length: nothing is copied.
+* ``KVPool`` holds K and V of one model's attention layers, flat over slots.
+* ``MambaStatePool`` holds each Mamba layer's conv window and fp32 SSM state per request slot,
+  plus the verify scratch (the state after every block position) that a speculative commit
+  picks from with one index copy.
+* ``MemoryManager`` owns all of them and the request slots. Capacity is reserved at
+  admission for every position a request may use, so a running request never runs out.
+
+The last request slot and the first pages are a *dummy* request: CUDA-graph batches are
+padded to a captured size with rows that read and write only the dummy's cache.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 
-class CapacityError(RuntimeError):
-    """Raised when a request can never fit the configured cache."""
-
-
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, first: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free = list(range(first + num_blocks - 1, first - 1, -1))
 
     @property
     def num_free(self) -> int:
@@ -40,21 +45,9 @@ class BlockAllocator:
         table.extend(self._free.pop() for _ in range(need))
         return True
 
-    def shrink(self, table: list[int], num_tokens: int) -> None:
-        """Give back blocks beyond ``num_tokens`` positions."""
-        keep = self.blocks_for(num_tokens)
-        while len(table) > keep:
-            self._free.append(table.pop())
-
     def release(self, table: list[int]) -> None:
         self._free.extend(reversed(table))
         table.clear()
-
-    def slots(self, table: list[int], start: int, end: int, device: torch.device) -> torch.Tensor:
-        """Flat slot ids of positions [start, end) of a request."""
-        pos = torch.arange(start, end)
-        blocks = torch.tensor(table, dtype=torch.long)[pos // self.block_size]
-        return (blocks * self.block_size + pos % self.block_size).to(device)
 
 
 class KVPool:
@@ -66,25 +59,149 @@ class KVPool:
 
 
 class MambaStatePool:
+    """Conv windows [L, slots, C, K-1] (model dtype) and SSM states [L, slots, H, P, N] (fp32).
+
+    ``ensure_verify(T)`` adds the verify scratch: the pre-conv inputs [L, slots, T, C] and the
+    SSM state after each of T block positions [L, slots, T, H, P, N]. A verify forward writes
+    them and leaves the committed state alone; ``commit_verify`` adopts position a per row.
+    """
+
     def __init__(self, num_layers: int, num_slots: int, conv_dim: int, conv_kernel: int,
                  num_heads: int, head_dim: int, state_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.conv = torch.zeros(num_layers, num_slots, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
         self.ssm = torch.zeros(num_layers, num_slots, num_heads, head_dim, state_size,
                                dtype=torch.float32, device=device)
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.xbc_scratch: torch.Tensor | None = None
+        self.ssm_scratch: torch.Tensor | None = None
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
+    def ensure_verify(self, width: int) -> None:
+        if self.ssm_scratch is not None and self.ssm_scratch.shape[2] >= width:
+            return
+        L, S, C, _ = self.conv.shape
+        self.xbc_scratch = torch.zeros(L, S, width, C, dtype=self.conv.dtype, device=self.conv.device)
+        self.ssm_scratch = torch.zeros(L, S, width, *self.ssm.shape[2:], dtype=torch.float32,
+                                       device=self.ssm.device)
 
-    def alloc(self) -> int | None:
-        if not self._free:
-            return None
-        slot = self._free.pop()
+    def reset(self, slot: int) -> None:
         self.conv[:, slot].zero_()
         self.ssm[:, slot].zero_()
-        return slot
 
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
+    def commit_verify(self, slots: torch.Tensor, index: torch.Tensor) -> None:
+        """Every layer adopts the state after block position ``index[b]`` (0-based) for slot
+        ``slots[b]``: the SSM state is copied from the scratch; the conv window after position
+        i is the last K-1 columns of [window | xbc[:i+1]]. Device ops only (graph-safe)."""
+        keep = self.conv.shape[-1]
+        self.ssm[:, slots] = self.ssm_scratch[:, slots, index]
+        full = torch.cat([self.conv[:, slots], self.xbc_scratch[:, slots].transpose(-1, -2)], dim=-1)
+        cols = index[:, None] + 1 + torch.arange(keep, device=index.device)[None]      # [B, K-1]
+        L, B, C = full.shape[:3]
+        window = full.gather(-1, cols[None, :, None, :].expand(L, B, C, keep))
+        self.conv[:, slots] = window
+
+
+@dataclass
+class CacheLayout:
+    """What the target model needs cached (from its config)."""
+
+    num_attention_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_mamba_layers: int
+    conv_dim: int = 0
+    conv_kernel: int = 4
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    ssm_state_size: int = 0
+
+
+@dataclass
+class Reservation:
+    """A request's hold on the caches: its slot (block-table row and Mamba state row) and pages."""
+
+    slot: int = -1
+    pages: list[int] = field(default_factory=list)
+
+
+class MemoryManager:
+    """Owns the caches and answers admission; the runner reads the pools, never allocates."""
+
+    def __init__(self, layout: CacheLayout, *, max_total_tokens: int, max_requests: int,
+                 page_size: int, dtype: torch.dtype, device: torch.device,
+                 dummy_tokens: int = 64) -> None:
+        self.page_size = page_size
+        self.max_requests = max_requests
+        self.device = device
+        self.dtype = dtype
+        self.dummy_slot = max_requests
+        dummy_pages = -(-dummy_tokens // page_size)
+        num_pages = -(-max_total_tokens // page_size)
+        self.allocator = BlockAllocator(num_pages, page_size, first=dummy_pages)
+        self.total_pages = num_pages + dummy_pages
+        self.max_pages = max(num_pages, dummy_pages)
+        self.block_table = torch.zeros(max_requests + 1, self.max_pages, dtype=torch.int32, device=device)
+        self.block_table[self.dummy_slot, :dummy_pages] = torch.arange(dummy_pages, dtype=torch.int32)
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+        num_slots = self.total_pages * page_size
+        self.kv = (KVPool(layout.num_attention_layers, num_slots, layout.num_kv_heads,
+                          layout.head_dim, dtype, device)
+                   if layout.num_attention_layers else None)
+        self.mamba = (MambaStatePool(layout.num_mamba_layers, max_requests + 1, layout.conv_dim,
+                                     layout.conv_kernel, layout.mamba_heads, layout.mamba_head_dim,
+                                     layout.ssm_state_size, dtype, device)
+                      if layout.num_mamba_layers else None)
+        self.draft_kv: KVPool | None = None
+        self.lookahead = 0
+
+    # ---- pools a drafter adds ----------------------------------------------------------------
+    def add_draft_pool(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> KVPool:
+        """The draft context pool: per draft layer K/V on the same pages as the target."""
+        self.draft_kv = KVPool(num_layers, self.total_pages * self.page_size, num_kv_heads,
+                               head_dim, dtype, self.device)
+        return self.draft_kv
+
+    def set_lookahead(self, width: int) -> None:
+        """Positions a speculative step may write past the committed length (verify width);
+        reserved at admission and held as verify scratch in the Mamba pool."""
+        self.lookahead = width
+        if self.mamba is not None:
+            self.mamba.ensure_verify(width)
+
+    # ---- capacity ----------------------------------------------------------------------------
+    @property
+    def total_tokens(self) -> int:
+        return self.allocator.num_blocks * self.page_size
+
+    @property
+    def free_tokens(self) -> int:
+        return self.allocator.num_free * self.page_size
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def needed_tokens(self, prompt_len: int, max_new_tokens: int) -> int:
+        return prompt_len + max_new_tokens + self.lookahead
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return bool(self._free_slots) and self.allocator.blocks_for(num_tokens) <= self.allocator.num_free
+
+    def admit(self, num_tokens: int) -> Reservation:
+        """Reserve a slot and pages for ``num_tokens`` positions and publish the pages in the
+        device block table (one small copy per admission, never per step)."""
+        if not self.can_admit(num_tokens):
+            raise RuntimeError("admit called without capacity")
+        res = Reservation(slot=self._free_slots.pop())
+        self.allocator.grow(res.pages, num_tokens)
+        row = torch.tensor(res.pages, dtype=torch.int32)
+        self.block_table[res.slot, : len(res.pages)].copy_(row, non_blocking=False)
+        if self.mamba is not None:
+            self.mamba.reset(res.slot)
+        return res
+
+    def release(self, res: Reservation) -> None:
+        self.allocator.release(res.pages)
+        if res.slot >= 0:
+            self._free_slots.append(res.slot)
+            res.slot = -1

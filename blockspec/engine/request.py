@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
+from blockspec.engine.memory import Reservation
 from blockspec.sampling import SamplingParams
 
 
@@ -13,12 +12,11 @@ class Request:
     rid: int
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
     return_logprob: bool = False
+    seed: int = 0                         # int64 sampling seed (its own or from random_seed)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[tuple[float, int]] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-    mamba_slot: int = -1
+    cache: Reservation = field(default_factory=Reservation)
     num_cached: int = 0                   # tokens whose KV / Mamba state are committed
     finish_reason: dict | None = None
     text: str = ""
@@ -33,18 +31,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def last_token(self) -> int:
-        return self.output_ids[-1]
-
-    def max_len(self, lookahead: int = 0) -> int:
-        """Positions this request can ever occupy in the cache (reserved at admission)."""
-        return len(self.prompt_ids) + self.params.max_new_tokens + lookahead
 
     def meta_info(self, speculative: bool) -> dict:
         info = {"id": self.rid, "prompt_tokens": len(self.prompt_ids),

@@ -1,6 +1,8 @@
 """Scheduler: admits requests by cache capacity, plans prefill chunks, runs one step at a time
-(a prefill batch, or a decode / speculative step over every running request), samples, and
-applies stop rules. Works on requests and token ids; tensors stay inside the runner/model."""
+(a prefill batch, or a decode / speculative step over every running request) and applies stop
+rules. It owns the requests and the memory manager's reservations; tensors stay inside the
+runner, the speculative worker and the model.
+"""
 from __future__ import annotations
 
 from collections import deque
@@ -10,9 +12,11 @@ from typing import Protocol
 import torch
 from torch.profiler import record_function
 
+from blockspec.engine.memory import MemoryManager
 from blockspec.engine.request import Request
+from blockspec.runtime.metadata import StepBatch
 from blockspec.runtime.model_runner import ModelRunner
-from blockspec.sampling import logprobs_of, sample
+from blockspec.sampling import request_seed
 
 
 class Drafter(Protocol):
@@ -20,43 +24,36 @@ class Drafter(Protocol):
 
     lookahead: int
 
-    def on_prefill(self, chunks: list[tuple[Request, int, int]], aux_hidden: torch.Tensor) -> None: ...
+    def on_prefill(self, aux: torch.Tensor, rows: torch.Tensor) -> None: ...
 
-    def step(self, reqs: list[Request]) -> list[tuple[list[int], list[float] | None]]: ...
-
-    def release(self, req: Request) -> None: ...
+    def step(self, batch: StepBatch) -> list[tuple[int, list[int], list[float]]]: ...
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, *, eos_token_ids: list[int], chunked_prefill_size: int,
-                 detokenize: Callable[[list[int]], str] | None = None,
+    def __init__(self, runner: ModelRunner, memory: MemoryManager, *, eos_token_ids: list[int],
+                 chunked_prefill_size: int, detokenize: Callable[[list[int]], str] | None = None,
                  drafter: Drafter | None = None, seed: int = 0) -> None:
         self.runner = runner
+        self.memory = memory
         self.eos = set(eos_token_ids)
         self.chunk = chunked_prefill_size
         self.detokenize = detokenize
         self.drafter = drafter
-        self.fallback = torch.Generator(device=runner.device).manual_seed(seed)
+        self.seed = seed
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
 
-    @property
-    def lookahead(self) -> int:
-        return self.drafter.lookahead if self.drafter is not None else 0
-
     def add(self, req: Request) -> None:
-        need = req.max_len(self.lookahead)
-        if need > self.runner.total_tokens:
+        need = self.memory.needed_tokens(len(req.prompt_ids), req.params.max_new_tokens)
+        if need > self.memory.total_tokens:
             raise ValueError(f"request needs {need} cache positions (prompt {len(req.prompt_ids)} + "
                              f"max_new_tokens {req.params.max_new_tokens}) but the cache holds "
-                             f"{self.runner.total_tokens}; raise max_total_tokens")
+                             f"{self.memory.total_tokens}; raise max_total_tokens")
         if not req.prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
+        req.seed = request_seed(req.params.seed, self.seed, req.rid)
         self.waiting.append(req)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -69,14 +66,14 @@ class Scheduler:
         return []
 
     def _admit(self) -> None:
-        r = self.runner
-        while self.waiting and len(self.prefilling) + len(self.running) < r.max_running_requests:
+        m = self.memory
+        while self.waiting and len(self.prefilling) + len(self.running) < m.max_requests:
             req = self.waiting[0]
-            need = req.max_len(self.lookahead)
-            if not r.can_admit(need):
+            need = m.needed_tokens(len(req.prompt_ids), req.params.max_new_tokens)
+            if not m.can_admit(need):
                 break
             self.waiting.popleft()
-            r.admit(req, need)
+            req.cache = m.admit(need)
             self.prefilling.append(req)
 
     def _prefill_step(self) -> list[Request]:
@@ -87,51 +84,68 @@ class Scheduler:
             n = min(len(req.prompt_ids) - req.num_cached, budget)
             chunks.append((req, req.num_cached, req.num_cached + n))
             budget -= n
-        out = self.runner.extend(chunks)
+        out, rows = self.runner.extend([r.cache.slot for r, _, _ in chunks], [s for _, s, _ in chunks],
+                                       [r.prompt_ids[s:e] for r, s, e in chunks])
+        for req, _, e in chunks:
+            req.num_cached = e
         if self.drafter is not None:
-            self.drafter.on_prefill(chunks, out.aux_hidden)
+            self.drafter.on_prefill(out.aux_hidden, rows)
         done_rows = [i for i, (req, _, _) in enumerate(chunks) if req.prefilled]
-        finished = []
-        if done_rows:
-            done = [chunks[i][0] for i in done_rows]
-            logits = out.logits[torch.tensor(done_rows, device=out.logits.device)]
-            for req in done:
-                self.prefilling.remove(req)
-                if req.params.max_new_tokens == 0:
-                    req.finish_reason = {"type": "length", "length": 0}
-                else:
-                    self.running.append(req)
-            live = [i for i, req in enumerate(done) if not req.finished]
-            if live:
-                self._sample_and_append([done[i] for i in live], logits[torch.tensor(live, device=logits.device)])
-            finished = [req for req in done if req.finished]
-        return self._retire(finished)
+        if not done_rows:
+            return []
+        done = [chunks[i][0] for i in done_rows]
+        for req in done:
+            self.prefilling.remove(req)
+            if req.params.max_new_tokens == 0:
+                req.finish_reason = {"type": "length", "length": 0}
+            else:
+                self.running.append(req)
+        live = [i for i, req in enumerate(done) if not req.finished]
+        if live:
+            reqs = [done[i] for i in live]
+            logits = out.logits[torch.tensor([done_rows[i] for i in live], device=out.logits.device)]
+            picked = self.runner.sample_rows(logits, self._step_batch(reqs)).cpu().tolist()
+            for req, (tok, lp) in zip(reqs, picked):
+                self._append(req, [int(tok)], [lp])
+        return self._retire([req for req in done if req.finished])
+
+    def _step_batch(self, reqs: list[Request]) -> StepBatch:
+        temps = [0.0 if r.params.is_greedy else float(r.params.temperature) for r in reqs]
+        return StepBatch(
+            slots=[r.cache.slot for r in reqs], prefix_lens=[r.num_cached for r in reqs],
+            tokens=[r.output_ids[-1] if r.output_ids else 0 for r in reqs], temperature=temps,
+            top_k=[int(r.params.top_k) for r in reqs], top_p=[float(r.params.top_p) for r in reqs],
+            min_p=[float(r.params.min_p) for r in reqs], seeds=[r.seed for r in reqs],
+            sample_counters=[len(r.output_ids) for r in reqs],
+            verify_counters=[r.spec_verify_ct for r in reqs],
+            want_logprobs=any(r.return_logprob for r in reqs))
 
     def _decode_step(self) -> list[Request]:
         reqs = list(self.running)
+        batch = self._step_batch(reqs)
         if self.drafter is None:
-            with record_function("decode.forward"):
-                out = self.runner.decode(reqs)
-            with record_function("decode.sample"):
-                self._sample_and_append(reqs, out.logits)
+            with record_function("decode.step"):
+                out = self.runner.run_step(batch, self.runner.decode_step, "decode", 1).tolist()
+            for req, (tok, lp) in zip(reqs, out):
+                req.num_cached += 1
+                self._append(req, [int(tok)], [lp])
         else:
-            for req, (tokens, lps) in zip(reqs, self.drafter.step(reqs)):
+            with record_function("spec.step"):
+                results = self.drafter.step(batch)
+            for req, (a, tokens, lps) in zip(reqs, results):
+                req.num_cached += a + 1
+                req.spec_verify_ct += 1
+                if not req.spec_accept_histogram:
+                    req.spec_accept_histogram = [0] * self.drafter.lookahead
+                req.spec_accept_histogram[a] += 1
                 self._append(req, tokens, lps)
         return self._retire([r for r in reqs if r.finished])
-
-    def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self.fallback)
-        lps = logprobs_of(logits, tokens).tolist() if any(r.return_logprob for r in reqs) else None
-        for b, (req, tok) in enumerate(zip(reqs, tokens.tolist())):
-            self._append(req, [tok], [lps[b]] if lps is not None else None)
 
     def _retire(self, finished: list[Request]) -> list[Request]:
         for req in finished:
             if req in self.running:
                 self.running.remove(req)
-            self.runner.release(req)
-            if self.drafter is not None:
-                self.drafter.release(req)
+            self.memory.release(req.cache)
             stopped_on_string = isinstance((req.finish_reason or {}).get("matched"), str)
             if self.detokenize is not None and not stopped_on_string:
                 req.text = self.detokenize(req.output_ids)

@@ -4,6 +4,11 @@ Routing: sigmoid scores in fp32; ``e_score_correction_bias`` only steers *which*
 chosen (group-limited top-k over ``n_group`` groups, each group scored by its best two);
 the weights are the un-biased scores, renormalised when ``norm_topk_prob``, times
 ``routed_scaling_factor``. Experts are non-gated: down(relu(up(x))^2).
+
+The routed experts run without reading the device back (graph-safe): (token, expert) pairs are
+sorted by expert on the device and go through grouped GEMMs over stacked expert weights
+(``torch._grouped_mm`` for dense weights, the Triton W4A16 kernel for packed NVFP4 ones).
+``routed_reference`` is the plain per-expert loop the fast paths are tested against.
 """
 from __future__ import annotations
 
@@ -72,6 +77,7 @@ class MoE(nn.Module):
                            cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias, quant, dtype)
             if cfg.n_shared_experts else None)
         self._grouped = None   # stacked packed experts, set by prepare_grouped()
+        self._dense = None     # stacked dense experts (weight [E, N, K], bias [E, N] | None)
         self.latent = cfg.moe_latent_size is not None
         if self.latent:
             self.fc1_latent_proj = build_linear(f"{prefix}.fc1_latent_proj", cfg.hidden_size,
@@ -80,17 +86,21 @@ class MoE(nn.Module):
                                                 cfg.hidden_size, cfg.mlp_bias, quant, dtype)
 
     def prepare_grouped(self) -> bool:
-        """When every routed expert is packed NVFP4, stack them once (buffers become views) so
-        GPU steps run all experts of a projection in one grouped W4A16 kernel. Call after
-        loading, on the final device."""
+        """Stack the routed experts' weights once (the per-expert buffers become views, so the
+        weights stay in memory once) for the grouped paths. Call after loading, on the final
+        device. Returns False when the experts mix formats (the reference loop then runs)."""
+        from blockspec.layers.linear import Linear
         from blockspec.quant.linear import NVFP4Linear, stack_nvfp4_experts
 
         ups = [e.up_proj for e in self.experts]
         downs = [e.down_proj for e in self.experts]
-        if not all(isinstance(m, NVFP4Linear) for m in ups + downs):
-            return False
-        self._grouped = (stack_nvfp4_experts(ups), stack_nvfp4_experts(downs))
-        return True
+        if all(isinstance(m, NVFP4Linear) for m in ups + downs):
+            self._grouped = (stack_nvfp4_experts(ups), stack_nvfp4_experts(downs))
+            return True
+        if all(type(m) is Linear for m in ups + downs):
+            self._dense = (_stack_dense(ups), _stack_dense(downs))
+            return True
+        return False
 
     def _use_grouped(self, h: torch.Tensor) -> bool:
         if self._grouped is None or not h.is_cuda:
@@ -101,7 +111,7 @@ class MoE(nn.Module):
 
     def routed_grouped(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """All (token, expert) pairs sorted by expert through two grouped W4A16 GEMMs."""
-        from blockspec.quant.triton_w4a16 import grouped_blocks, grouped_w4a16, sort_by_expert
+        from blockspec.quant.triton_w4a16 import grouped_blocks, grouped_w4a16
 
         (wu, su, s2u), (wd, sd, s2d) = self._grouped
         order, offsets = sort_by_expert(ids, len(self.experts))
@@ -114,10 +124,35 @@ class MoE(nn.Module):
         out.index_add_(0, tok, y.float() * w.reshape(-1)[order][:, None])
         return out.to(h.dtype)
 
-    def routed(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Reference expert loop: tokens grouped by expert, weighted sum in fp32."""
-        if self._use_grouped(h):
-            return self.routed_grouped(h, ids, w)
+    def routed_dense(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Dense stacked experts: pairs sorted by expert, ``torch._grouped_mm`` over the
+        expert offsets where it runs natively (CPU; bf16 on sm90+), else each pair's expert
+        weights gathered into one batched matmul. No host read either way."""
+        (wu, bu), (wd, bd) = self._dense
+        order, offsets = sort_by_expert(ids, len(self.experts))
+        tok = order // ids.shape[1]
+        expert = ids.reshape(-1)[order]
+        x = h[tok]
+        if _grouped_mm_ok(x, wu, wd):
+            offs = offsets[1:].to(torch.int32)
+            up = torch._grouped_mm(x, wu.transpose(-2, -1), offs=offs)
+            if bu is not None:
+                up = up + bu[expert]
+            y = torch._grouped_mm(relu2(up), wd.transpose(-2, -1), offs=offs)
+        else:
+            up = torch.bmm(wu[expert], x[:, :, None])[..., 0]
+            if bu is not None:
+                up = up + bu[expert]
+            y = torch.bmm(wd[expert], relu2(up)[:, :, None])[..., 0]
+        if bd is not None:
+            y = y + bd[expert]
+        out = torch.zeros(h.shape[0], y.shape[1], dtype=torch.float32, device=h.device)
+        out.index_add_(0, tok, y.float() * w.reshape(-1)[order][:, None])
+        return out.to(h.dtype)
+
+    def routed_reference(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Reference expert loop: tokens grouped by expert, weighted sum in fp32 (reads the
+        expert counts back to the host; tests and the mixed-format fallback only)."""
         out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
@@ -133,6 +168,13 @@ class MoE(nn.Module):
             start += n
         return out.to(h.dtype)
 
+    def routed(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self._use_grouped(h):
+            return self.routed_grouped(h, ids, w)
+        if self._dense is not None:
+            return self.routed_dense(h, ids, w)
+        return self.routed_reference(h, ids, w)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x)
         h = self.fc1_latent_proj(x) if self.latent else x
@@ -142,3 +184,38 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group (token, slot) pairs by expert: (order into ``topk_ids.flatten()``, offsets [E+1]).
+    Counts come from a scatter-add (``bincount`` would read its maximum back to the host)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return order, offsets
+
+
+def _stack_dense(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[E, N, K] weights (and [E, N] biases) with each expert's parameters re-pointed at views."""
+    weight = torch.stack([m.weight.data for m in modules])
+    bias = torch.stack([m.bias.data for m in modules]) if modules[0].bias is not None else None
+    for e, m in enumerate(modules):
+        m.weight.data = weight[e]
+        if bias is not None:
+            m.bias.data = bias[e]
+    return weight, bias
+
+
+def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` runs natively on CPU, and on CUDA for bf16 on sm90+ with 16-aligned
+    sizes; elsewhere the batched-gather path is used."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return all(w.shape[-1] % 16 == 0 and w.shape[-2] % 16 == 0 for w in weights)

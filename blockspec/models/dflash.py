@@ -10,7 +10,7 @@ a quantization plan can store any of them packed.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.draft_config import DraftConfig, DraftConfigError
+
+if TYPE_CHECKING:
+    from blockspec.runtime.metadata import ForwardMetadata
 
 ATTN_IMPLS = ("eager", "sdpa")
 
@@ -189,6 +192,20 @@ class DraftAttention(nn.Module):
         o = block_attention(q, k, v, allowed, self.scale, self.attention_sink_bias, impl)
         return self.o_proj(o.reshape(b, nq, self.num_heads * self.head_dim))
 
+    def forward_paged(self, hn: torch.Tensor, meta: ForwardMetadata, cache_index: int,
+                      causal: bool, window: int | None) -> torch.Tensor:
+        """The block's rows ``hn [N, H]`` through the attention backend: their K/V go into the
+        draft context pool at the block positions (beyond the committed length, so a later
+        commit overwrites them) and each row attends to context + block."""
+        n = hn.shape[0]
+        q = self.rotary(self.q_norm(self.q_proj(hn).reshape(n, self.num_heads, self.head_dim)),
+                        meta.positions)
+        k, v = self.project_kv(hn, meta.positions)
+        o = meta.attn.forward(q, k, v, meta.kv.k[cache_index], meta.kv.v[cache_index], meta,
+                              scale=self.scale, causal=causal, window=window,
+                              sink=self.attention_sink_bias)
+        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+
 
 class DraftMLP(nn.Module):
     def __init__(self, cfg: DraftConfig, layer_idx: int, quant: QuantPlan | None,
@@ -219,6 +236,11 @@ class DraftDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor | None,
                 ctx_v: torch.Tensor | None, allowed: torch.Tensor, impl: str) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v, allowed, impl)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_paged(self, h: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        h = h + self.self_attn.forward_paged(self.input_layernorm(h), meta, self.layer_idx,
+                                             self.causal, self.window)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -376,6 +398,24 @@ class DFlashDraftModel(nn.Module):
                 masks[key] = build_attention_mask(positions, k_pos, k_valid, *key)
             h = layer(h, positions, ctx_k[i], ctx_v[i], masks[key], self.attn_impl)
         return self.norm(h)
+
+    def forward_paged(self, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        """Serving path: the embedded block rows ``x [N, H]`` (N = B x Q, positions in
+        ``meta``) over the paged draft context pool ``meta.kv``, through ``meta.attn``; the
+        same math as ``forward_block``. Returns the hidden after the final norm, [N, H]."""
+        meta.attn.prepare(meta)
+        h = x
+        for layer in self.layers:
+            h = layer.forward_paged(h, meta)
+        return self.norm(h)
+
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor, pool: Any) -> None:
+        """Project target features of committed rows and store each layer's K/V at ``slots``
+        of the draft context pool."""
+        for n, (k, v) in enumerate(self.project_context(features, positions)):
+            pool.k[n][slots] = k.to(pool.k.dtype)
+            pool.v[n][slots] = v.to(pool.v.dtype)
 
     # ---- checkpoint helpers ----------------------------------------------------------------
     def fc_in_features_from_weight(self, loaded: torch.Tensor | Sequence[int]) -> int:

@@ -7,13 +7,11 @@ the sampling verifier needs as q.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from blockspec.layers.linear import QuantPlan, build_linear
+from blockspec.sampling import inverse_cdf_sample
 from blockspec.models.dflash import DFlashDraftModel, DraftEmbedding
 from blockspec.models.draft_config import DraftConfig, DraftConfigError, SUPPORTED_MARKOV_HEAD_TYPES
 
@@ -125,16 +123,17 @@ def build_markov_head(cfg: DraftConfig, quant: QuantPlan | None = None,
 
 
 def run_markov_block(head: MarkovHead, base_logits: torch.Tensor, hidden: torch.Tensor,
-                     anchor: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor,
-                     generators: Sequence[torch.Generator | None] | None,
-                     fallback: torch.Generator | None, *, return_logits: bool = False):
+                     anchor: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor | None = None,
+                     *, greedy_only: bool = False, return_logits: bool = False):
     """Sequential DSpark walk over one block.
 
-    base_logits ``[B, γ, V]``, hidden ``[B, γ, H]``, anchor ``[B]``, greedy ``[B]`` bool,
-    temperature ``[B]``; ``generators[i]`` samples row i (``None`` → ``fallback``, shared).
-    prev₀ = anchor; logits_k = base_k + bias(prev_k, h_k) (fp32); greedy rows take the argmax
-    (q = one-hot), sampled rows draw from softmax(logits_k / max(T, 1e-5)) with no top-k/top-p
-    (q = that softmax); prev_{k+1} = x_k.
+    base_logits ``[B, γ, V]``, hidden ``[B, γ, H]``, anchor ``[B]``, temperature ``[B]``
+    (0 = greedy row), ``u [B, γ]`` uniforms for the sampled rows (slot k draws with
+    ``u[:, k]``). prev₀ = anchor; logits_k = base_k + bias(prev_k, h_k) (fp32); greedy rows
+    take the argmax (q = one-hot), sampled rows draw by inverse CDF from
+    softmax(logits_k / max(T, 1e-5)) with no top-k/top-p (q = that softmax); prev_{k+1} = x_k.
+    Rows are mixed with masks (nothing is read back), so the walk can run in a CUDA graph;
+    ``greedy_only`` (a host-side promise) skips the softmax.
 
     Returns ``(tokens [B, γ] long, draft_probs [B, γ, V] fp32)`` and, with
     ``return_logits=True``, also the corrected logits ``[B, γ, V]`` fp32.
@@ -144,15 +143,12 @@ def run_markov_block(head: MarkovHead, base_logits: torch.Tensor, hidden: torch.
                          f"{tuple(hidden.shape)} must be [B, γ, V] and [B, γ, H]")
     b, gamma, v = base_logits.shape
     dev = base_logits.device
-    greedy = greedy.to(dev, torch.bool).reshape(b)
-    temp = temperature.to(dev, torch.float32).reshape(b).clamp_min(MIN_DRAFT_TEMPERATURE)[:, None]
-    greedy_host = greedy.tolist()
-    sampled_rows = [i for i in range(b) if not greedy_host[i]]
-    if generators is not None and len(generators) != b:
-        raise ValueError(f"run_markov_block: {len(generators)} generators for {b} rows")
-    own = [i for i in sampled_rows if generators is not None and generators[i] is not None]
-    shared = [i for i in sampled_rows if generators is None or generators[i] is None]
-    shared_idx = torch.tensor(shared, dtype=torch.long, device=dev) if shared else None
+    temperature = temperature.to(dev, torch.float32).reshape(b)
+    greedy = (temperature <= 0)[:, None]
+    temp = temperature.clamp_min(MIN_DRAFT_TEMPERATURE)[:, None]
+    if not greedy_only and (u is None or tuple(u.shape) != (b, gamma)):
+        raise ValueError(f"run_markov_block: sampled rows need uniforms u [B, γ] = {(b, gamma)}, "
+                         f"got {None if u is None else tuple(u.shape)}")
 
     tokens = torch.empty(b, gamma, dtype=torch.long, device=dev)
     probs_out = torch.empty(b, gamma, v, dtype=torch.float32, device=dev)
@@ -163,14 +159,12 @@ def run_markov_block(head: MarkovHead, base_logits: torch.Tensor, hidden: torch.
         bias, state = head.step(prev, hidden[:, k], state)
         logits = base_logits[:, k].float() + bias.float()
         tok = logits.argmax(dim=-1)
-        q = F.one_hot(tok, v).to(torch.float32)
-        if sampled_rows:
+        if not greedy_only:
             probs = torch.softmax(logits / temp, dim=-1)
-            for i in own:
-                tok[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
-            if shared_idx is not None:
-                tok[shared_idx] = torch.multinomial(probs[shared_idx], 1, generator=fallback)[:, 0]
-            q = torch.where(greedy[:, None], q, probs)
+            tok = torch.where(greedy[:, 0], tok, inverse_cdf_sample(probs, u[:, k]))
+        q = torch.zeros(b, v, dtype=torch.float32, device=dev).scatter_(1, tok[:, None], 1.0)
+        if not greedy_only:
+            q = torch.where(greedy, q, probs)
         tokens[:, k] = tok
         probs_out[:, k] = q
         if logits_out is not None:
@@ -193,8 +187,7 @@ class DSparkDraftModel(DFlashDraftModel):
         self.markov_head = build_markov_head(cfg, quant, dtype, cfg.is_nemotron_35)
 
     def markov_walk(self, base_logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
-                    greedy: torch.Tensor, temperature: torch.Tensor,
-                    generators: Sequence[torch.Generator | None] | None,
-                    fallback: torch.Generator | None, *, return_logits: bool = False):
-        return run_markov_block(self.markov_head, base_logits, hidden, anchor, greedy,
-                                temperature, generators, fallback, return_logits=return_logits)
+                    temperature: torch.Tensor, u: torch.Tensor | None = None, *,
+                    greedy_only: bool = False, return_logits: bool = False):
+        return run_markov_block(self.markov_head, base_logits, hidden, anchor, temperature, u,
+                                greedy_only=greedy_only, return_logits=return_logits)

@@ -49,11 +49,10 @@ def load_target(path: str | Path, dtype: torch.dtype, device: torch.device
             return name
 
         load_state(model, src, rename=rename, what=f"target checkpoint {folder.name}")
-    if quant is not None:
-        from blockspec.layers.moe import MoE
+    from blockspec.layers.moe import MoE
 
-        for m in model.modules():
-            if isinstance(m, MoE):
-                m.prepare_grouped()
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.prepare_grouped()
     model.eval()
     return model, cfg

@@ -1,9 +1,10 @@
 """Nemotron-H target: pre-norm residual blocks, each one mixer (M Mamba-2, * attention,
 - relu^2 MLP, E MoE), then norm_f and lm_head. Parameter names equal checkpoint names.
 
-The model reads a ``ForwardBatch`` and the caches it is handed; it knows nothing of requests.
+The model reads a ``ForwardMetadata`` (the batch as device tensors, with the caches and the
+attention backend it runs against); it knows nothing of requests.
 Aux-hidden capture (DFlash/DSpark conditioning) taps the residual stream *before* layer i for
-every i in ``fb.capture_layers`` (index ``num_layers`` means after the last layer, before
+every i in ``meta.capture_layers`` (index ``num_layers`` means after the last layer, before
 norm_f); with an empty tuple nothing is captured and nothing is paid.
 """
 from __future__ import annotations
@@ -13,11 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from blockspec.engine.memory import KVPool, MambaStatePool
-from blockspec.runtime.metadata import ForwardBatch, Mode
+from blockspec.runtime.metadata import ForwardMetadata, Mode
 from blockspec.layers.attention import Attention
 from blockspec.layers.linear import QuantPlan, build_linear
-from blockspec.layers.mamba2 import Mamba2Mixer, MambaVerifyState
+from blockspec.layers.mamba2 import Mamba2Mixer
 from blockspec.layers.moe import MoE, ReluSquaredMLP
 from blockspec.layers.norm import RMSNorm
 from blockspec.models.nemotron_h_config import NemotronHConfig
@@ -25,7 +25,7 @@ from blockspec.models.nemotron_h_config import NemotronHConfig
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor                 # [len(fb.logits_rows), V] fp32
+    logits: torch.Tensor                 # [len(meta.logits_rows) or N, V] fp32
     aux_hidden: torch.Tensor | None      # [T_total, K*H] when capture was requested
 
 
@@ -78,67 +78,63 @@ class NemotronHForCausalLM(nn.Module):
         return self.lm_head(h).float()
 
     # ---- forward -------------------------------------------------------------------------------
-    def forward(self, fb: ForwardBatch, kv: KVPool | None, mamba: MambaStatePool | None) -> ModelOutput:
-        h = self.embed(fb.input_ids)
-        taps = set(fb.capture_layers)
+    def forward(self, meta: ForwardMetadata) -> ModelOutput:
+        meta.attn.prepare(meta)
+        h = self.embed(meta.input_ids)
+        taps = set(meta.capture_layers)
         captured: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.backbone.layers):
             if i in taps:
                 captured[i] = h
             x = block.norm(h)
             if block.kind == "mamba":
-                out = self._mamba(block.mixer, i, x, fb, mamba)
+                out = self._mamba(block.mixer, self.mamba_index[i], x, meta)
             elif block.kind == "attention":
-                n = self.attn_index[i]
-                out = block.mixer(x, fb, kv.k[n], kv.v[n])
+                out = block.mixer(x, meta, self.attn_index[i])
             else:
                 out = block.mixer(x)
             h = h + out
         n_layers = len(self.backbone.layers)
         if n_layers in taps:
             captured[n_layers] = h
-        aux = torch.cat([captured[i] for i in fb.capture_layers], dim=-1) if taps else None
-        logits = self.compute_logits(self.backbone.norm_f(h[fb.logits_rows]))
+        aux = torch.cat([captured[i] for i in meta.capture_layers], dim=-1) if taps else None
+        rows = h if meta.logits_rows is None else h[meta.logits_rows]
+        logits = self.compute_logits(self.backbone.norm_f(rows))
         return ModelOutput(logits=logits, aux_hidden=aux)
 
-    def _mamba(self, mixer: Mamba2Mixer, i: int, x: torch.Tensor, fb: ForwardBatch,
-               pool: MambaStatePool) -> torch.Tensor:
-        n = self.mamba_index[i]
+    @staticmethod
+    def _mamba(mixer: Mamba2Mixer, n: int, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        pool = meta.mamba
         conv, ssm = pool.conv[n], pool.ssm[n]
-        if fb.mode == Mode.EXTEND:
-            # requests with equal chunk lengths share one batched chunked scan
+        if meta.mode == Mode.EXTEND:
+            # requests with equal chunk lengths share one batched chunked scan (prefill is eager:
+            # the lengths are host-side numbers)
             out = torch.empty_like(x)
-            starts = fb.row_starts()
+            starts, acc = [], 0
+            for q in meta.q_lens_host:
+                starts.append(acc)
+                acc += q
             groups: dict[int, list[int]] = {}
-            for b, q in enumerate(fb.q_lens):
+            for b, q in enumerate(meta.q_lens_host):
                 groups.setdefault(q, []).append(b)
             for q, members in groups.items():
                 idx = torch.tensor(members, device=x.device)
                 rows = (torch.tensor([starts[b] for b in members], device=x.device)[:, None]
                         + torch.arange(q, device=x.device)[None])
-                slots = fb.mamba_slots[idx]
+                slots = meta.req_slots[idx]
                 y, window, state = mixer.extend(x[rows], conv[slots], ssm[slots])
                 conv[slots] = window
                 ssm[slots] = state
                 out[rows.reshape(-1)] = y.reshape(-1, y.shape[-1])
             return out
-        B, T = fb.batch_size, fb.q_lens[0]
-        slots = fb.mamba_slots
+        B, T = meta.batch_size, meta.q_len
+        slots = meta.req_slots
         out, vs = mixer.steps(x.view(B, T, -1), conv[slots], ssm[slots])
-        if fb.mode == Mode.DECODE:
-            window, state = mixer.committed_state(conv[slots], vs, torch.zeros_like(slots))
-            conv[slots] = window
-            ssm[slots] = state
+        if meta.mode == Mode.DECODE:
+            keep = conv.shape[-1]
+            conv[slots] = torch.cat([conv[slots], vs.xbc.transpose(1, 2).to(conv.dtype)], dim=2)[..., -keep:]
+            ssm[slots] = vs.ssm[:, -1]
         else:
-            fb.verify_states[n] = vs
+            pool.xbc_scratch[n][slots, :T] = vs.xbc.to(pool.xbc_scratch.dtype)
+            pool.ssm_scratch[n][slots, :T] = vs.ssm
         return out.reshape(B * T, -1)
-
-    def commit_verify(self, fb: ForwardBatch, mamba: MambaStatePool, index: torch.Tensor) -> None:
-        """Adopt, for every Mamba layer, the state after block position ``index[b]``."""
-        slots = fb.mamba_slots
-        for n, vs in fb.verify_states.items():
-            assert isinstance(vs, MambaVerifyState)
-            window, state = Mamba2Mixer.committed_state(mamba.conv[n][slots], vs, index)
-            mamba.conv[n][slots] = window
-            mamba.ssm[n][slots] = state
-        fb.verify_states.clear()

@@ -772,17 +772,3 @@ def grouped_w4a16_reference(x: torch.Tensor, expert_offsets: torch.Tensor, weigh
                              dtype=x.dtype)
         out[a:b] = F.linear(x[a:b], w)
     return out
-
-
-def sort_by_expert(topk_ids: torch.Tensor, num_experts: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group (token, slot) pairs by expert: returns (order into ``topk_ids.flatten()``, offsets).
-
-    ``x_sorted = x[order // top_k]``; results come back with ``y[order] = y_sorted``.
-    """
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    offsets[1:] = torch.cumsum(counts, 0)
-    return order, offsets

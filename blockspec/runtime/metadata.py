@@ -1,56 +1,219 @@
-"""ForwardBatch: everything one model forward needs to know about the batch, as tensors.
+"""Batch metadata: what one forward needs to know about its batch, as device tensors.
 
-The runner builds it from requests; the model only reads it. Rows of all requests are
-flattened ([T_total]); per-request metadata is indexed by batch position.
+Two ways in:
+
+* ``StepInputs``: static per-request buffers (slot, committed length, last token, sampling
+  parameters, seeds and counters) sized for the largest batch, filled from one pinned host
+  buffer with one non-blocking copy per step. Decode, draft and verify forwards derive
+  everything else on the device (``uniform_metadata``), so a step is a pure function of these
+  buffers and the caches: it can be captured once and replayed as a CUDA graph.
+* ``extend_metadata``: prefill chunks of any lengths, built from host lists (prefill runs
+  eagerly; its shapes change every call).
+
+No Python list and no request object reaches a model: the model reads ``ForwardMetadata``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from blockspec.attention.base import AttentionBackend
+    from blockspec.engine.memory import KVPool, MambaStatePool
 
 
 class Mode(Enum):
     EXTEND = "extend"   # prefill (or a prefill chunk): writes KV and commits Mamba state
     DECODE = "decode"   # one token per request: writes KV and commits Mamba state
     VERIFY = "verify"   # T tokens per request: writes KV, keeps Mamba state per position
+    DRAFT = "draft"     # a draft block: writes the block's K/V into the draft pool
 
 
 @dataclass
-class ForwardBatch:
+class ForwardMetadata:
     mode: Mode
-    input_ids: torch.Tensor          # [T_total] long
-    positions: torch.Tensor          # [T_total] long, absolute positions
-    q_lens: list[int]                # new tokens per request
-    prefix_lens: list[int]           # tokens already in the cache per request
-    kv_slots: torch.Tensor           # [T_total] flat KV-pool slot of every new token
-    ctx_slots: torch.Tensor          # [B, L_max] KV slots of positions 0..prefix+q-1 (padded with 0)
-    mamba_slots: torch.Tensor        # [B] state-pool slot per request
-    logits_rows: torch.Tensor        # rows of the flattened batch whose logits are wanted
-    capture_layers: tuple[int, ...] = ()   # residual-stream taps (layer index before which to tap)
-    verify_states: dict[int, object] = field(default_factory=dict)  # filled by Mamba layers in VERIFY
-    row_batch: torch.Tensor = field(init=False)    # [T_total] request index of every row
-    row_offset: torch.Tensor = field(init=False)   # [T_total] offset of the row within its request
-
-    def __post_init__(self) -> None:
-        dev = self.input_ids.device
-        q = torch.tensor(self.q_lens, device=dev)
-        self.row_batch = torch.repeat_interleave(torch.arange(len(self.q_lens), device=dev), q)
-        starts = torch.cumsum(q, 0) - q
-        self.row_offset = torch.arange(self.input_ids.shape[0], device=dev) - starts[self.row_batch]
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.q_lens)
+    batch_size: int
+    input_ids: torch.Tensor          # [N] long (N = rows of all requests, flattened)
+    positions: torch.Tensor          # [N] long, absolute positions
+    row_req: torch.Tensor            # [N] long, batch index of every row
+    req_slots: torch.Tensor          # [B] long, request slot (block-table row, Mamba state row)
+    seq_lens: torch.Tensor           # [B] long, cached length once this step's rows are written
+    q_start: torch.Tensor            # [B+1] long, first row of each request
+    out_slots: torch.Tensor          # [N] long, flat cache slot every row writes
+    block_table: torch.Tensor        # [R+1, max_pages] int32 (shared by every paged pool)
+    page_size: int
+    attn: AttentionBackend
+    kv: KVPool | None = None
+    mamba: MambaStatePool | None = None
+    q_len: int | None = None         # rows per request when uniform (decode 1, verify T)
+    max_q_len: int = 1               # host upper bound on rows per request
+    max_seq_len: int = 0             # host upper bound on seq_lens (eager paths only)
+    q_lens_host: list[int] | None = None   # extend: rows per request (Mamba groups equal lengths)
+    logits_rows: torch.Tensor | None = None   # rows whose logits are wanted (None = all)
+    capture_layers: tuple[int, ...] = ()      # residual-stream taps (layer index to tap before)
+    attn_state: dict[str, Any] = field(default_factory=dict)   # per-forward backend data
 
     @property
-    def seq_lens(self) -> list[int]:
-        return [p + q for p, q in zip(self.prefix_lens, self.q_lens)]
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
 
-    def row_starts(self) -> list[int]:
-        out, acc = [], 0
-        for q in self.q_lens:
-            out.append(acc)
-            acc += q
+
+def flat_slots(block_table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+               page_size: int) -> torch.Tensor:
+    """Flat cache slot of (request slot, position) pairs through the block table."""
+    pages = block_table[slots, positions // page_size].long()
+    return pages * page_size + positions % page_size
+
+
+_INT_FIELDS = ("slot", "prefix", "token", "top_k", "seed", "sample_ctr", "verify_ctr")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+
+
+@dataclass
+class StepBatch:
+    """One decode or speculative step, described on the host (built by the scheduler)."""
+
+    slots: list[int]
+    prefix_lens: list[int]            # committed tokens per request (the anchor's position)
+    tokens: list[int]                 # last sampled token per request (the step's input)
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    seeds: list[int]
+    sample_counters: list[int]        # output tokens so far (AR sampling stream)
+    verify_counters: list[int]        # verify steps so far (speculative streams)
+    want_logprobs: bool = False
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def greedy_only(self) -> bool:
+        return all(t <= 0 for t in self.temperature)
+
+    @property
+    def filters(self) -> bool:
+        """Some sampled row has a top-k / top-p / min-p filter on (the sort is needed)."""
+        return any(t > 0 and (k > 0 or p < 1 or m > 0)
+                   for t, k, p, m in zip(self.temperature, self.top_k, self.top_p, self.min_p))
+
+    def sampling_key(self) -> tuple[bool, bool, bool]:
+        """What decides which sampling code a step runs (one captured graph each)."""
+        return self.greedy_only, self.filters, self.want_logprobs
+
+
+class StepInputs:
+    """Static per-request input buffers for decode / speculative steps.
+
+    One byte buffer holds every field; the host copy is pinned (on CUDA) and reaches the
+    device with one non-blocking copy per step. Rows past the real batch are padding that
+    points at the memory manager's dummy slot.
+    """
+
+    def __init__(self, max_bs: int, device: torch.device, dummy_slot: int) -> None:
+        self.max_bs = max_bs
+        self.device = device
+        self.dummy_slot = dummy_slot
+        n_int, n_float = len(_INT_FIELDS), len(_FLOAT_FIELDS)
+        nbytes = (8 * n_int + 4 * n_float) * max_bs
+        pin = device.type == "cuda"
+        self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=device) if pin else self._host
+        self.host = self._views(self._host)
+        self.dev = self._views(self._dev)
+        self.fill_dummy(0, max_bs)
+        self.upload()
+
+    def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        n_int, mb = len(_INT_FIELDS), self.max_bs
+        ints = buf[: 8 * n_int * mb].view(torch.int64).view(n_int, mb)
+        floats = buf[8 * n_int * mb:].view(torch.float32).view(len(_FLOAT_FIELDS), mb)
+        out = {name: ints[i] for i, name in enumerate(_INT_FIELDS)}
+        out.update({name: floats[i] for i, name in enumerate(_FLOAT_FIELDS)})
         return out
+
+    def fill_dummy(self, start: int, end: int) -> None:
+        h = self.host
+        for name in _INT_FIELDS:
+            h[name][start:end] = 0
+        h["slot"][start:end] = self.dummy_slot
+        h["top_k"][start:end] = -1
+        h["temperature"][start:end] = 0.0
+        h["top_p"][start:end] = 1.0
+        h["min_p"][start:end] = 0.0
+
+    def fill(self, batch: StepBatch, padded: int) -> None:
+        """Write the batch into rows [0, size) and dummy rows up to ``padded``; upload."""
+        n, h = batch.size, self.host
+        if padded > self.max_bs or n > padded:
+            raise ValueError(f"batch of {n} padded to {padded} exceeds the {self.max_bs} rows")
+        for name, values in (("slot", batch.slots), ("prefix", batch.prefix_lens),
+                             ("token", batch.tokens), ("top_k", batch.top_k),
+                             ("seed", batch.seeds), ("sample_ctr", batch.sample_counters),
+                             ("verify_ctr", batch.verify_counters),
+                             ("temperature", batch.temperature), ("top_p", batch.top_p),
+                             ("min_p", batch.min_p)):
+            h[name][:n] = torch.tensor(values, dtype=h[name].dtype)
+        self.fill_dummy(n, padded)
+        self.upload()
+
+    def upload(self) -> None:
+        if self._dev is not self._host:
+            self._dev.copy_(self._host, non_blocking=True)
+
+    def view(self, bs: int) -> dict[str, torch.Tensor]:
+        """Device views of the first ``bs`` rows (what a captured step reads)."""
+        return {name: t[:bs] for name, t in self.dev.items()}
+
+
+def uniform_metadata(inp: dict[str, torch.Tensor], q_len: int, mode: Mode, input_ids: torch.Tensor,
+                     block_table: torch.Tensor, page_size: int, attn: AttentionBackend,
+                     kv: KVPool | None, mamba: MambaStatePool | None = None,
+                     capture_layers: tuple[int, ...] = (), max_seq_len: int = 0,
+                     ) -> ForwardMetadata:
+    """``q_len`` rows per request at positions prefix .. prefix + q_len - 1, everything
+    derived on the device from the step inputs (graph-safe: fixed shapes, no host reads)."""
+    slots, prefix = inp["slot"], inp["prefix"]
+    bs = slots.shape[0]
+    dev = slots.device
+    t = torch.arange(q_len, device=dev)
+    positions = (prefix[:, None] + t[None]).reshape(-1)
+    row_req = torch.arange(bs, device=dev)[:, None].expand(bs, q_len).reshape(-1)
+    return ForwardMetadata(
+        mode=mode, batch_size=bs, input_ids=input_ids.reshape(-1), positions=positions,
+        row_req=row_req, req_slots=slots, seq_lens=prefix + q_len,
+        q_start=torch.arange(bs + 1, device=dev) * q_len,
+        out_slots=flat_slots(block_table, slots[row_req], positions, page_size),
+        block_table=block_table, page_size=page_size, attn=attn, kv=kv, mamba=mamba,
+        q_len=q_len, max_q_len=q_len, max_seq_len=max_seq_len, capture_layers=capture_layers)
+
+
+def extend_metadata(slots: list[int], starts: list[int], ids: list[list[int]], *,
+                    device: torch.device, block_table: torch.Tensor, page_size: int,
+                    attn: AttentionBackend, kv: KVPool | None, mamba: MambaStatePool | None,
+                    logits_all: bool, capture_layers: tuple[int, ...] = ()) -> ForwardMetadata:
+    """Prefill chunks: request b writes ids[b] at positions starts[b].. (one upload)."""
+    q_lens = [len(x) for x in ids]
+    positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, q_lens)])
+    row_req = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    q_start = torch.zeros(len(q_lens) + 1, dtype=torch.long)
+    q_start[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    rows = torch.arange(int(q_start[-1])) if logits_all else q_start[1:] - 1
+    host = [torch.tensor([t for x in ids for t in x], dtype=torch.long), positions, row_req,
+            torch.tensor(slots, dtype=torch.long), torch.tensor(starts, dtype=torch.long) + torch.tensor(q_lens),
+            q_start, rows]
+    flat = torch.cat([t.reshape(-1) for t in host]).to(device, non_blocking=True)
+    input_ids, positions, row_req, req_slots, seq_lens, q_start, rows = (
+        part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in host]), host))
+    return ForwardMetadata(
+        mode=Mode.EXTEND, batch_size=len(q_lens), input_ids=input_ids, positions=positions,
+        row_req=row_req, req_slots=req_slots, seq_lens=seq_lens, q_start=q_start,
+        out_slots=flat_slots(block_table, req_slots[row_req], positions, page_size),
+        block_table=block_table, page_size=page_size, attn=attn, kv=kv, mamba=mamba,
+        max_q_len=max(q_lens), max_seq_len=max(s + q for s, q in zip(starts, q_lens)),
+        q_lens_host=q_lens, logits_rows=rows, capture_layers=capture_layers)

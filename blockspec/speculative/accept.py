@@ -7,22 +7,15 @@ So draft ``drafts[:, j]`` is judged by target row j, and row n gives the bonus w
 draft is accepted. Each function returns ``(accept_len a [B], bonus [B])``; the tokens
 committed this step are ``drafts[b, :a] + [bonus[b]]`` (a + 1 tokens, 1 <= a + 1 <= n + 1).
 
-Everything is a pure function of tensors, parameters and generators; greedy rows consume no
-randomness, sampled rows draw from their own generator only (see ``rejection_accept``).
+Everything is a pure function of tensors: the random numbers come in as uniforms (the
+engine draws them with ``sampling.uniforms`` from each request's seed and counters), and no
+function reads the device back, so a whole speculative step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
-from blockspec.sampling import (
-    SamplingParams,
-    draw_uniforms,
-    inverse_cdf_sample,
-    params_to_tensors,
-    target_probs as make_target_probs,
-)
+from blockspec.sampling import inverse_cdf_sample, target_probs as make_target_probs
 
 __all__ = [
     "greedy_accept",
@@ -59,9 +52,7 @@ def greedy_accept(drafts: torch.Tensor, target_logits: torch.Tensor,
 
 
 def rejection_accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None,
-                     target_probs: torch.Tensor,
-                     generators: Sequence[torch.Generator | None],
-                     fallback: torch.Generator | None = None,
+                     target_probs: torch.Tensor, u: torch.Tensor,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact speculative rejection sampling (lossless: every emitted token follows p).
 
@@ -76,21 +67,19 @@ def rejection_accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None,
     If a residual has no mass (p == q up to rounding, where rejection has probability 0 in
     exact arithmetic) the bonus falls back to p_j rather than failing.
 
-    Randomness, fixed order per row: one ``torch.rand(n + 1, float64)`` call on the row's
-    generator (rows with None share ``fallback``); u[0..n-1] are the acceptance coins of
-    d_1..d_n and u[n] is the inverse-CDF uniform of the bonus. All n + 1 are drawn whatever
-    the outcome, so a generator advances by the same amount every verify step.
+    ``u`` [B, n+1] are independent U[0, 1) numbers, never used before: u[:, :n] are the
+    acceptance coins of d_1..d_n and u[:, n] is the inverse-CDF uniform of the bonus.
     """
     b, n = _check_block(drafts, target_probs, "target_probs")
     if draft_probs is not None and tuple(draft_probs.shape) != (b, n, target_probs.shape[-1]):
         raise ValueError(f"draft_probs must be [B, n, V] = {(b, n, target_probs.shape[-1])}, "
                          f"got {tuple(draft_probs.shape)}")
-    if len(generators) != b:
-        raise ValueError(f"rejection_accept: {b} rows but {len(generators)} generators")
+    if tuple(u.shape) != (b, n + 1):
+        raise ValueError(f"u must be [B, n+1] = {(b, n + 1)}, got {tuple(u.shape)}")
     dev = target_probs.device
     d = drafts.to(dev).long()
     rows = torch.arange(b, device=dev)
-    u = draw_uniforms(generators, n + 1, fallback, dev)  # [B, n+1] fp64
+    u = u.to(dev, torch.float64)
 
     # Only the gathered entries and one [B, V] row are promoted to fp64: a full fp64 copy of
     # [B, n+1, V] would be gigabytes at real vocabulary sizes.
@@ -119,43 +108,39 @@ def rejection_accept(drafts: torch.Tensor, draft_probs: torch.Tensor | None,
 
 
 def verify_block(drafts: torch.Tensor, target_logits: torch.Tensor,
-                 draft_probs: torch.Tensor | None, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator | None],
-                 fallback: torch.Generator | None = None,
+                 draft_probs: torch.Tensor | None, temperature: torch.Tensor,
+                 top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                 u: torch.Tensor | None, *, greedy_only: bool = False, filters: bool = True,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accept a mixed batch: greedy rows by exact match on the raw logits, sampled rows by
-    rejection sampling against ``target_probs`` (temperature, top-k, top-p, min-p) of the
-    same logits. Returns (accept_len, bonus) [B] for all rows in batch order.
+    """Accept a mixed batch: greedy rows (temperature 0) by exact match on the raw logits,
+    sampled rows by rejection sampling against ``target_probs`` (temperature, top-k, top-p,
+    min-p) of the same logits. Returns (accept_len, bonus) [B] for all rows in batch order.
 
-    ``draft_probs`` (or None for point-mass drafts) applies to the sampled rows; greedy rows
-    ignore it because a deterministic target needs no q.
+    Per-row parameters are [B] tensors (``sampling.params_to_tensors``); ``u`` [B, n+1] as in
+    ``rejection_accept`` (ignored by greedy rows). ``greedy_only`` / ``filters=False`` are
+    host-side promises that skip work; they never change a result. Rows are combined with
+    masks, never selected by index, so nothing waits for the device.
     """
     b, n = _check_block(drafts, target_logits, "target_logits")
-    if not (len(params) == len(generators) == b):
-        raise ValueError(f"verify_block: {b} rows, {len(params)} params, {len(generators)} generators")
+    if temperature.shape[0] != b:
+        raise ValueError(f"verify_block: {b} rows but {temperature.shape[0]} parameter rows")
     dev = target_logits.device
+    drafts = drafts.to(dev)
+    g_len, g_bonus = greedy_accept(drafts, target_logits)
+    if greedy_only:
+        return g_len, g_bonus
+    if u is None:
+        raise ValueError("verify_block: sampled rows need uniforms u [B, n+1]")
     vocab = target_logits.shape[-1]
-    accept_len = torch.empty(b, dtype=torch.long, device=dev)
-    bonus = torch.empty(b, dtype=torch.long, device=dev)
-
-    greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
-    sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if greedy_rows:
-        g = torch.tensor(greedy_rows, device=dev)
-        accept_len[g], bonus[g] = greedy_accept(drafts.to(dev)[g], target_logits[g])
-    if sampled_rows:
-        s = torch.tensor(sampled_rows, device=dev)
-        temperature, top_k, top_p, min_p = params_to_tensors([params[i] for i in sampled_rows], dev)
-        per_pos = n + 1  # every verify row of a request shares its parameters
-        p = make_target_probs(
-            target_logits[s].reshape(-1, vocab),
-            temperature.repeat_interleave(per_pos), top_k.repeat_interleave(per_pos),
-            top_p.repeat_interleave(per_pos), min_p.repeat_interleave(per_pos),
-        ).view(len(sampled_rows), per_pos, vocab)
-        q = draft_probs.to(dev)[s] if draft_probs is not None else None
-        accept_len[s], bonus[s] = rejection_accept(
-            drafts.to(dev)[s], q, p, [generators[i] for i in sampled_rows], fallback)
-    return accept_len, bonus
+    per_pos = n + 1  # every verify row of a request shares its parameters
+    p = make_target_probs(
+        target_logits.reshape(-1, vocab),
+        temperature.repeat_interleave(per_pos), top_k.repeat_interleave(per_pos),
+        top_p.repeat_interleave(per_pos), min_p.repeat_interleave(per_pos), filters=filters,
+    ).view(b, per_pos, vocab)
+    s_len, s_bonus = rejection_accept(drafts, draft_probs, p, u)
+    greedy = temperature.to(dev) <= 0
+    return torch.where(greedy, g_len, s_len), torch.where(greedy, g_bonus, s_bonus)
 
 
 def committed_tokens(drafts: torch.Tensor, accept_len: torch.Tensor,

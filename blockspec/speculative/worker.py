@@ -1,107 +1,131 @@
 """Speculative step for DFlash and DSpark: draft a block, verify it with the target in one
-forward, accept losslessly, commit target state and the draft context for accepted rows only.
+forward, accept losslessly, commit target state and the draft context.
 
-The draft context (per draft layer K/V of every committed token, projected from the target's
-captured hidden states) lives in a paged pool indexed by the target's block tables, so it is
-written once per committed row and never copied.
+The whole step is one pure function of the static step inputs and the caches
+(``step_fn``), so the runner replays it as a single CUDA graph per batch size and reads back
+only the accept lengths, tokens and logprobs. The draft context (per draft layer K/V of every
+committed token, projected from the target's captured hidden states) lives in a paged pool on
+the target's block tables: the draft block writes its own K/V at the block positions, and the
+verify's captured rows overwrite them with the real context; rows past a request's committed
+length are never read, so rejected rows need no clean-up.
 """
 from __future__ import annotations
 
 import torch
-from torch.profiler import record_function
 
 from blockspec.args import EngineArgs
-from blockspec.engine.memory import KVPool
+from blockspec.attention import create_backend
 from blockspec.models.dflash import DFlashDraftModel
-from blockspec.engine.request import Request
+from blockspec.runtime.metadata import Mode, StepBatch, uniform_metadata
 from blockspec.runtime.model_runner import ModelRunner
-from blockspec.sampling import logprobs_of, params_to_tensors
-from blockspec.speculative.draft_loader import load_draft
+from blockspec.sampling import Stream, logprobs_of, uniforms
 from blockspec.speculative.accept import verify_block
+from blockspec.speculative.draft_loader import load_draft
 
 
 class SpecWorker:
-    def __init__(self, draft: DFlashDraftModel, runner: ModelRunner, dtype: torch.dtype,
-                 fallback: torch.Generator) -> None:
+    def __init__(self, draft: DFlashDraftModel, runner: ModelRunner, draft_backend: str,
+                 dtype: torch.dtype) -> None:
         self.draft, self.runner, self.target = draft, runner, runner.model
+        self.memory = runner.memory
         cfg = draft.config
         self.gamma = cfg.gamma
-        self.lookahead = cfg.gamma + 1           # verify writes positions p .. p + gamma
+        self.width = cfg.gamma + 1                  # verify writes positions p .. p + gamma
+        self.query_len = cfg.query_len
         self.is_dspark = cfg.algorithm == "dspark"
-        self.pool = KVPool(cfg.num_hidden_layers, runner.total_tokens, draft.num_kv_heads,
-                           draft.head_dim, dtype, runner.device)
+        self.pool = self.memory.add_draft_pool(cfg.num_hidden_layers, draft.num_kv_heads,
+                                               draft.head_dim, dtype)
+        self.memory.set_lookahead(self.width)
         runner.capture_layers = tuple(i + 1 for i in cfg.target_layer_ids)
-        self.fallback = fallback
+        self.attn = create_backend(draft_backend)
+        self.simulate_accept_length: float | None = None   # benchmarks only (see step_fn)
 
-    # ---- draft context -------------------------------------------------------------------------
-    def _write_context(self, aux: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        for n, (k, v) in enumerate(self.draft.project_context(aux, positions)):
-            self.pool.k[n][slots] = k.to(self.pool.k.dtype)
-            self.pool.v[n][slots] = v.to(self.pool.v.dtype)
+    @property
+    def lookahead(self) -> int:
+        return self.width
 
+    # ---- prefill ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def on_prefill(self, chunks: list[tuple[Request, int, int]], aux: torch.Tensor) -> None:
-        alloc, dev = self.runner.allocator, self.runner.device
-        positions = torch.cat([torch.arange(s, e) for _, s, e in chunks]).to(dev)
-        slots = torch.cat([alloc.slots(r.block_table, s, e, dev) for r, s, e in chunks])
-        self._write_context(aux, positions, slots)
+    def on_prefill(self, aux: torch.Tensor, rows: torch.Tensor) -> None:
+        """Context of prompt rows: ``rows`` = [positions; cache slots] of the prefill chunk."""
+        self.draft.write_context(aux, rows[0], rows[1], self.pool)
 
-    def release(self, req: Request) -> None:
-        """Nothing to free: the pool shares the target's block tables."""
+    # ---- one step --------------------------------------------------------------------------
+    def step(self, batch: StepBatch) -> list[tuple[int, list[int], list[float]]]:
+        """(accepted drafts a, the a + 1 committed tokens, their logprobs) per request."""
+        out = self.runner.run_step(batch, self.step_fn, "spec", self.width)
+        T = self.width
+        acc = out[:, 0].long().tolist()
+        toks = out[:, 1:1 + T].long().tolist()
+        lps = out[:, 1 + T:].tolist()
+        return [(a, t[:a + 1], lp[:a + 1]) for a, t, lp in zip(acc, toks, lps)]
 
-    # ---- one step ------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def step(self, reqs: list[Request]) -> list[tuple[list[int], list[float] | None]]:
-        dev, B, T = self.runner.device, len(reqs), self.gamma + 1
-        params = [r.params for r in reqs]
-        gens = [r.generator for r in reqs]
-        anchor = torch.tensor([r.last_token for r in reqs], device=dev)
-        committed = [r.num_cached for r in reqs]
-        with record_function("spec.propose"):
-            drafts, q = self._propose(reqs, anchor, committed, params, gens)
-        with record_function("spec.verify_forward"):
-            cand = torch.cat([anchor[:, None], drafts], dim=1)
-            out, fb = self.runner.verify(reqs, cand)
-        with record_function("spec.accept"):
-            logits = out.logits.view(B, T, -1)
-            acc, bonus = verify_block(drafts, logits, q, params, gens, self.fallback)
-        accepted = acc.tolist()                    # the step's one read-back of the outcome
-        with record_function("spec.commit"):
-            self.runner.commit_verify(reqs, fb, acc, accepted)
-            keep = torch.arange(T, device=dev)[None] <= acc[:, None]                 # [B, T]
-            rows = keep.reshape(-1)
-            self._write_context(out.aux_hidden[rows], fb.positions[rows], fb.kv_slots[rows])
+    def step_fn(self, inp: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
+        """Draft -> verify -> accept -> commit for every row, device ops only.
+        Returns [B, 1 + 2T] float64: accepted drafts, committed tokens (padded), logprobs."""
+        greedy_only, filters, want_lp = key
+        draft, target, m = self.draft, self.target, self.memory
+        B, T, Q = inp["slot"].shape[0], self.width, self.query_len
+        anchor, slots = inp["token"], inp["slot"]
+        max_seq = self.runner.host_max_seq_len
+
+        ids, _ = draft.block_inputs(anchor, inp["prefix"])                           # [B, Q]
+        x = draft.embed_block(ids, target.backbone.embeddings).reshape(B * Q, -1)
+        dmeta = uniform_metadata(inp, Q, Mode.DRAFT, ids, m.block_table, m.page_size, self.attn,
+                                 self.pool, max_seq_len=max_seq)
+        h = draft.select_draft_hidden(draft.forward_paged(x, dmeta).view(B, Q, -1))  # [B, γ, H]
+        base = target.compute_logits(h)                                              # [B, γ, V]
+        if self.is_dspark:
+            u_draft = None if greedy_only else uniforms(inp["seed"], inp["verify_ctr"], Stream.DRAFT, self.gamma)
+            drafts, q = draft.markov_walk(base, h, anchor, inp["temperature"], u_draft,
+                                          greedy_only=greedy_only)
+        else:
+            drafts, q = base.argmax(-1), None        # argmax drafting: q is a point mass
+
+        cand = torch.cat([anchor[:, None], drafts], dim=1)
+        vmeta = uniform_metadata(inp, T, Mode.VERIFY, cand, m.block_table, m.page_size,
+                                 self.runner.decode_attn, m.kv, m.mamba,
+                                 capture_layers=self.runner.capture_layers, max_seq_len=max_seq)
+        out = target(vmeta)
+        logits = out.logits.view(B, T, -1)
+
+        if self.simulate_accept_length is not None:
+            acc, bonus = self._simulated(inp, logits)
+        else:
+            u = None
+            if not greedy_only:
+                u = torch.cat([uniforms(inp["seed"], inp["verify_ctr"], Stream.COIN, self.gamma),
+                               uniforms(inp["seed"], inp["verify_ctr"], Stream.BONUS, 1)], dim=1)
+            acc, bonus = verify_block(drafts, logits, q, inp["temperature"], inp["top_k"],
+                                      inp["top_p"], inp["min_p"], u, greedy_only=greedy_only,
+                                      filters=filters)
+
+        if m.mamba is not None:
+            m.mamba.commit_verify(slots, acc)
+        draft.write_context(out.aux_hidden, vmeta.positions, vmeta.out_slots, self.pool)
         toks = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, acc[:, None], bonus[:, None])
-        want_lp = any(r.return_logprob for r in reqs)
-        lps = logprobs_of(logits.reshape(B * T, -1), toks.reshape(-1)).view(B, T) if want_lp else None
-        results = []
-        for b, (r, a) in enumerate(zip(reqs, accepted)):
-            r.spec_verify_ct += 1
-            if not r.spec_accept_histogram:
-                r.spec_accept_histogram = [0] * T
-            r.spec_accept_histogram[a] += 1
-            results.append((toks[b, : a + 1].tolist(), lps[b, : a + 1].tolist() if lps is not None else None))
-        return results
+        if want_lp:
+            lps = logprobs_of(logits.reshape(B * T, -1), toks.reshape(-1)).view(B, T)
+        else:
+            lps = torch.zeros(B, T, dtype=torch.float32, device=toks.device)
+        return torch.cat([acc[:, None].double(), toks.double(), lps.double()], dim=1)
 
-    def _propose(self, reqs, anchor, committed, params, gens):
-        draft, runner = self.draft, self.runner
-        ids, pos = draft.block_inputs(anchor, torch.tensor(committed, device=anchor.device))
-        x = draft.embed_block(ids, self.target.backbone.embeddings)
-        ctx, valid = runner.context_slots(reqs, committed)
-        ks = [self.pool.k[n][ctx] for n in range(len(draft.layers))]
-        vs = [self.pool.v[n][ctx] for n in range(len(draft.layers))]
-        h = draft.select_draft_hidden(draft.forward_block(x, pos, ks, vs, valid))   # [B, gamma, H]
-        base = self.target.compute_logits(h)                                        # [B, gamma, V]
-        if not self.is_dspark:
-            return base.argmax(-1), None            # argmax drafting: q is a point mass
-        temperature, _, _, _ = params_to_tensors(params, anchor.device)
-        greedy = temperature == 0
-        return draft.markov_walk(base, h, anchor, greedy, temperature, gens, self.fallback)
+    def _simulated(self, inp: dict[str, torch.Tensor], logits: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Benchmark mode (sglang's simulated acceptance): a step accepts floor(τ-1) or
+        ceil(τ-1) drafts, mixed so the mean committed length is τ; the bonus is the target's
+        argmax after them. The output is not the target's: this times steps as if a trained
+        draft were attached."""
+        mean = min(max(self.simulate_accept_length - 1.0, 0.0), float(self.gamma))
+        lo = int(mean)
+        u = uniforms(inp["seed"], inp["verify_ctr"], Stream.SIMULATE, 1)[:, 0]
+        acc = (lo + (u < mean - lo).long()).clamp_max(self.gamma)
+        bonus = logits.argmax(-1).gather(1, acc[:, None])[:, 0]
+        return acc, bonus
 
 
-def build_spec_worker(args: EngineArgs, runner: ModelRunner, dtype: torch.dtype,
-                      device: torch.device) -> SpecWorker:
+def build_spec_worker(args: EngineArgs, runner: ModelRunner, draft_backend: str,
+                      dtype: torch.dtype, device: torch.device) -> SpecWorker:
     draft = load_draft(args.speculative_draft_model_path, runner.cfg, dtype, device,
                        args.speculative_num_draft_tokens, expect=args.speculative_algorithm)
-    fallback = torch.Generator(device=device).manual_seed(args.random_seed + 1)
-    return SpecWorker(draft, runner, dtype, fallback)
+    return SpecWorker(draft, runner, draft_backend, dtype)

@@ -1,0 +1,159 @@
+"""Triton kernels of the paged attention backend (``triton_paged.py`` has the launcher and the
+layout of the work). Kernels live at module level because Triton resolves helper functions
+through module globals; ``triton_paged`` loads this file once per mode (compiled or
+interpreted), since Triton decides that when the kernels are decorated."""
+import triton
+import triton.language as tl
+
+# Reductions go through tl.reduce with combine functions of this module: the standard
+# library's tl.max / tl.sum break in the interpreter when triton was imported before
+# TRITON_INTERPRET was set (as in a test session that also compiles kernels).
+
+
+@triton.jit
+def _max_fn(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add_fn(a, b):
+    return a + b
+
+
+@triton.jit
+def _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, kp, kmask, qpos, row_ok,
+               m_i, l_i, acc, scale, window, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
+               WINDOWED: tl.constexpr, IEEE: tl.constexpr):
+    """One block of keys folded into the running softmax state (m, l, acc)."""
+    page = tl.load(BT + slot * s_bt + kp // PAGE, mask=kmask, other=0)
+    ks = page.to(tl.int64) * PAGE + kp % PAGE
+    k = tl.load(K + ks[:, None] * s_kn + h * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
+    v = tl.load(V + ks[:, None] * s_kn + h * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale
+    allowed = kmask[None, :] & row_ok[:, None]
+    if CAUSAL:
+        allowed = allowed & (kp[None, :] <= qpos[:, None])
+    if WINDOWED:
+        allowed = allowed & ((qpos[:, None] - kp[None, :]) < window)
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_fn))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.reduce(p, 1, _add_fn)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+@triton.jit
+def _attn_kernel(Q, K, V, O, PM, PL, PO, BT, SLOTS, SEQ, QST, TILE_REQ, TILE_R0, SINK,
+                 scale, window, s_qn, s_qh, s_kn, s_kh, s_on, s_oh, s_bt,
+                 G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                 CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_SINK: tl.constexpr,
+                 IEEE: tl.constexpr, STATIC_ITERS: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    n_kv = tl.num_programs(1)
+    b = tl.load(TILE_REQ + tile)
+    r0 = tl.load(TILE_R0 + tile)
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    L = tl.load(SEQ + b)
+    qs = tl.load(QST + b)
+    qn = tl.load(QST + b + 1) - qs
+    m = r0 + tl.arange(0, BLOCK_M)
+    t = m // G
+    head = h * G + m % G
+    row_ok = t < qn
+    qpos = L - qn + t
+    d = tl.arange(0, D)
+    q = tl.load(Q + (qs + t)[:, None].to(tl.int64) * s_qn + head[:, None] * s_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    # keys this tile can see, then this program's share of them
+    t_last = tl.minimum((r0 + BLOCK_M - 1) // G, qn - 1)
+    hi = L
+    if CAUSAL:
+        hi = tl.minimum(L, L - qn + t_last + 1)
+    lo = L * 0
+    if WINDOWED:
+        lo = tl.maximum(lo, L - qn + r0 // G - window + 1)
+    per_split = (hi - lo + SPLITS - 1) // SPLITS
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = lo + sp * chunk
+    end = tl.minimum(start + chunk, hi)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, D], 0.0, tl.float32)
+    if STATIC_ITERS > 0:
+        # the interpreter cannot loop over loaded bounds: a fixed trip count, masked
+        for it in range(STATIC_ITERS):
+            kp = start + it * BLOCK_N + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, kp,
+                                       kp < end, qpos, row_ok, m_i, l_i, acc, scale, window,
+                                       PAGE, CAUSAL, WINDOWED, IEEE)
+    else:
+        for s0 in range(start, end, BLOCK_N):
+            kp = s0 + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, kp,
+                                       kp < end, qpos, row_ok, m_i, l_i, acc, scale, window,
+                                       PAGE, CAUSAL, WINDOWED, IEEE)
+    if SPLITS == 1:
+        if HAS_SINK:
+            sink = tl.load(SINK + head, mask=row_ok, other=0.0)
+            m_f = tl.maximum(m_i, sink)
+            scale_old = tl.exp(m_i - m_f)
+            l_i = l_i * scale_old + tl.exp(sink - m_f)
+            acc = acc * scale_old[:, None]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        optr = O + (qs + t)[:, None].to(tl.int64) * s_on + head[:, None] * s_oh + d[None, :]
+        tl.store(optr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        base = (tile * n_kv + h) * SPLITS + sp
+        rows = base * BLOCK_M + tl.arange(0, BLOCK_M)
+        tl.store(PM + rows, m_i)
+        tl.store(PL + rows, l_i)
+        tl.store(PO + rows[:, None].to(tl.int64) * D + d[None, :], acc)
+
+@triton.jit
+def _merge_kernel(O, PM, PL, PO, QST, TILE_REQ, TILE_R0, SINK, s_on, s_oh,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  SPLITS: tl.constexpr, HAS_SINK: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    n_kv = tl.num_programs(1)
+    b = tl.load(TILE_REQ + tile)
+    r0 = tl.load(TILE_R0 + tile)
+    qs = tl.load(QST + b)
+    qn = tl.load(QST + b + 1) - qs
+    m = r0 + tl.arange(0, BLOCK_M)
+    t = m // G
+    head = h * G + m % G
+    row_ok = t < qn
+    d = tl.arange(0, D)
+    first = (tile * n_kv + h) * SPLITS * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        m_all = tl.maximum(m_all, tl.load(PM + first + s * BLOCK_M))
+    if HAS_SINK:
+        sink = tl.load(SINK + head, mask=row_ok, other=0.0)
+        m_all = tl.maximum(m_all, sink)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_tot = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, D], 0.0, tl.float32)
+    for s in tl.static_range(SPLITS):
+        rows = first + s * BLOCK_M
+        w = tl.exp(tl.load(PM + rows) - m_safe)
+        l_tot += tl.load(PL + rows) * w
+        acc += tl.load(PO + rows[:, None].to(tl.int64) * D + d[None, :]) * w[:, None]
+    if HAS_SINK:
+        l_tot += tl.exp(sink - m_safe)
+    out = acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
+    optr = O + (qs + t)[:, None].to(tl.int64) * s_on + head[:, None] * s_oh + d[None, :]
+    tl.store(optr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
