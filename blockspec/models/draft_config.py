@@ -8,6 +8,7 @@ Every rule lives here so the engine and the model never re-read the raw dict:
 * target layer ids, with the sglang default spread when absent;
 * mask token, attention layout (layer types, sliding window, causality), RoPE parameters;
 * DSpark Markov head (rank, type) and the query-row layout (``sample_from_anchor``);
+* DFlash query layouts and variants blockspec does not run, refused by name;
 * Nemotron 3.5 detection (``is_nemotron_35_draft_config``), exactly the five published conditions.
 
 ``validate_against_target`` checks a parsed draft against the target it will run with, and
@@ -152,7 +153,7 @@ class DraftConfig:
     max_position_embeddings: int | None
     # block layout
     block_size: int                     # DFlash: B (anchor + B-1 masks); DSpark: gamma
-    sample_from_anchor: bool            # only DSpark uses it (dspark.md §2.2)
+    sample_from_anchor: bool            # DSpark's layout switch (dspark.md §2.2); DFlash: False
     mask_token_id: int
     # target conditioning
     target_layer_ids: list[int]
@@ -310,6 +311,48 @@ def _parse_rope(d: Mapping[str, Any], layer_types: list[str]) -> list[float]:
     return [theta] * len(layer_types)
 
 
+# DFlash fields that ask for a query layout other than the 1+N one blockspec runs (vLLM and
+# sglang refuse both at load); each is accepted only when absent, null or false.
+DFLASH_ANCHOR_FIRST_FIELDS = ("sample_from_anchor", "query_zero_predicts_next")
+DFLASH_LAYOUT = ("the 1+N query layout (row 0 is the anchor and its output is discarded; rows "
+                 "1..B-1 predict positions p+1..p+B-1)")
+# dflash_config fields of DFlash variants blockspec does not implement, with the values that
+# mean "variant off"; any other value would be ignored and run wrongly, so it is refused.
+DFLASH_VARIANT_FIELDS = {
+    "projector_type": (),                      # Domino: anchor-first with a GRU projector
+    "conv_kernel_size": (0,),                  # DFlash2 grouped conv
+    "conv_group_size": (0,),
+    "selector_rank": (0,),                     # DFlash2 candidate selector
+    "selector_top_k": (0,),
+    "output_multiplier": (1,),
+    "final_logit_softcapping": (0,),
+    "attention_value_scale": (1,),
+}
+
+
+def _reject_unsupported_dflash_layout(d: Mapping[str, Any], dfc: Mapping[str, Any]) -> None:
+    """A DFlash draft trained for another query layout would run here with every draft row
+    shifted by one and acceptance collapsed, without any error: refuse it at load."""
+    for key in DFLASH_ANCHOR_FIRST_FIELDS:
+        for where, m in ((f"dflash_config.{key}", dfc), (key, d)):
+            value = m.get(key)
+            if value is None or value is False:
+                continue
+            if value is not True:
+                raise DraftConfigError(f"DFlash draft config: {where} must be true or false, "
+                                       f"got {value!r}")
+            raise DraftConfigError(
+                f"DFlash draft config: {where}=true asks for the anchor-first query layout "
+                f"(row 0 predicts the next token); blockspec runs DFlash only in {DFLASH_LAYOUT}")
+    for key, off in DFLASH_VARIANT_FIELDS.items():
+        value = dfc.get(key)
+        if value is None or (not isinstance(value, bool) and value in off):
+            continue
+        raise DraftConfigError(
+            f"DFlash draft config: dflash_config.{key}={value!r} selects a DFlash variant that "
+            f"blockspec does not implement; blockspec runs plain DFlash in {DFLASH_LAYOUT}")
+
+
 def parse_draft_config(d: Mapping[str, Any], *, target_num_layers: int | None = None) -> DraftConfig:
     """Parse and validate a DFlash / DSpark draft ``config.json`` dict.
 
@@ -371,9 +414,10 @@ def parse_draft_config(d: Mapping[str, Any], *, target_num_layers: int | None = 
     # ---- sample_from_anchor -----------------------------------------------------------------
     if is_dspark:
         sfa = _dspark_lookup(d, "sample_from_anchor")
+        sample_from_anchor = True if sfa is _MISSING else bool(sfa)
     else:
-        sfa = _first((d, "sample_from_anchor"), (dfc, "sample_from_anchor"))
-    sample_from_anchor = True if sfa is _MISSING else bool(sfa)
+        _reject_unsupported_dflash_layout(d, dfc)
+        sample_from_anchor = False
 
     # ---- mask token ---------------------------------------------------------------------------
     if is_dspark:
