@@ -91,7 +91,7 @@ class SpecWorker:
         ks = [self.pool.k[n][ctx] for n in range(len(draft.layers))]
         vs = [self.pool.v[n][ctx] for n in range(len(draft.layers))]
         h = draft.select_draft_hidden(draft.forward_block(x, pos, ks, vs, valid))   # [B, gamma, H]
-        base = self.target.compute_logits(h)                                        # [B, gamma, V]
+        base = draft.compute_logits(h, self.target)                                 # [B, gamma, V]
         if not self.is_dspark:
             return base.argmax(-1), None            # argmax drafting: q is a point mass
         temperature, _, _, _ = params_to_tensors(params, anchor.device)
