@@ -275,6 +275,15 @@ def test_cli_index_family(folder, tmp_path, capsys, caplog):
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
     assert "no weight_map" in run(d)
 
+    d = _sharded(folder, tmp_path / "twice")                    # no index: shards are globbed
+    (d / "model.safetensors.index.json").unlink()
+    first, second = d / "model-00001-of-00002.safetensors", d / "model-00002-of-00002.safetensors"
+    tensors = load_file(str(second))
+    tensors.update(load_file(str(first)))
+    save_file(tensors, str(second))
+    line = run(d)
+    assert "is in both" in line and str(first) in line and str(second) in line
+
 
 def test_cli_dtype_contradicting_the_config(folder, draft, tmp_path, capsys, caplog):
     def run(d):
