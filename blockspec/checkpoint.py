@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 log = logging.getLogger("blockspec")
@@ -33,9 +33,12 @@ def read_config(path: str | Path) -> dict:
     if not cfg.is_file():
         raise CheckpointError(f"no config.json in {str(folder)!r}")
     try:
-        return json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
+        raw = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def resolve_dtype(name: str | torch.dtype, config: dict, device: torch.device) -> torch.dtype:
@@ -52,15 +55,32 @@ def resolve_dtype(name: str | torch.dtype, config: dict, device: torch.device) -
     return DTYPES[name]
 
 
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_index(path: str | Path) -> dict[str, str] | None:
+    """The index's weight_map (tensor name -> shard file name), or None without an index."""
+    index = Path(path) / INDEX_NAME
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: no weight_map (tensor name -> shard file) in it")
+    return weight_map
+
+
 def shard_files(path: str | Path) -> list[Path]:
     folder = Path(path)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+    weight_map = read_index(folder)
+    if weight_map is not None:
         files = sorted({folder / f for f in weight_map.values()})
         missing = [str(f.name) for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"{index.name} names shard files that do not exist: {missing}")
+            raise CheckpointError(f"{folder / INDEX_NAME} names shard files that do not exist: "
+                                  f"{missing}")
         return files
     single = folder / "model.safetensors"
     if single.is_file():
@@ -71,19 +91,68 @@ def shard_files(path: str | Path) -> list[Path]:
     return files
 
 
+def _open_shard(path: Path):
+    """``safe_open`` that turns a broken file into a one-line ``CheckpointError`` naming it."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as e:
+        raise CheckpointError(f"{path}: {_shard_problem(path, e)}") from None
+
+
+def _shard_problem(path: Path, error: Exception) -> str:
+    """What is wrong with a safetensors file safetensors refused, in words: empty, cut short
+    (against the sizes its own header declares), or a header that does not parse."""
+    size = path.stat().st_size
+    if size == 0:
+        return "empty file (0 bytes), not a safetensors shard"
+    what = f"not a readable safetensors file ({size} bytes): {error}"
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"only {size} bytes, too short for a safetensors header; cut short?"
+        n = int.from_bytes(head, "little")
+        if 8 + n > size:
+            return (f"cut short: its header alone declares {8 + n} bytes but the file has {size} "
+                    "(an interrupted download or copy?)")
+        try:
+            header = json.loads(fh.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items()
+                       if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return what
+    if 8 + n + end > size:
+        return (f"cut short: its header declares {8 + n + end} bytes but the file has {size} "
+                "(an interrupted download or copy?)")
+    return what
+
+
 class TensorSource:
-    """Name -> tensor over all shards of a folder, opened memory-mapped, read on demand."""
+    """Name -> tensor over all shards of a folder, opened memory-mapped, read on demand.
+    With an index, every tensor it lists must be in the shard it names."""
 
     def __init__(self, path: str | Path) -> None:
         self._stack = ExitStack()
         self._where: dict[str, object] = {}
-        for f in shard_files(path):
-            handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
-            for name in handle.keys():
-                self._where[name] = handle
+        self._file: dict[str, Path] = {}
+        try:
+            for f in shard_files(path):
+                handle = self._stack.enter_context(_open_shard(f))
+                for name in handle.keys():
+                    if name in self._where:
+                        raise CheckpointError(f"tensor {name!r} is in both {self._file[name]} "
+                                              f"and {f}")
+                    self._where[name] = handle
+                    self._file[name] = f
+            _check_index(Path(path), self._file)
+        except BaseException:
+            self._stack.close()
+            raise
 
     def names(self) -> list[str]:
         return list(self._where)
+
+    def file_of(self, name: str) -> Path:
+        return self._file[name]
 
     def get(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
@@ -99,6 +168,19 @@ class TensorSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_index(folder: Path, found: dict[str, Path]) -> None:
+    weight_map = read_index(folder)
+    if weight_map is None:
+        return
+    wrong = [(name, shard) for name, shard in weight_map.items()
+             if found.get(name) != folder / shard]
+    if wrong:
+        shown = ", ".join(f"{n!r} -> {s}" for n, s in wrong[:10])
+        more = f" ... ({len(wrong)} in all)" if len(wrong) > 10 else ""
+        raise CheckpointError(f"{folder / INDEX_NAME} lists tensor(s) that their shard does not "
+                              f"hold: {shown}{more}")
 
 
 def load_state(model: nn.Module, source: TensorSource, *,
@@ -137,7 +219,30 @@ def load_state(model: nn.Module, source: TensorSource, *,
             found = source.shape(name)
             if list(dest.shape) != found:
                 raise CheckpointError(_shape_message(modules, target, list(dest.shape), found))
-            dest.copy_(source.get(name).to(device=dest.device, dtype=dest.dtype))
+            tensor = source.get(name)
+            problem = _dtype_problem(dest.dtype, tensor.dtype)
+            if problem:
+                raise CheckpointError(f"{source.file_of(name)}: tensor {name!r} {problem}")
+            dest.copy_(tensor.to(device=dest.device, dtype=dest.dtype))
+
+
+PLAIN_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _dtype_problem(want: torch.dtype, found: torch.dtype) -> str | None:
+    """Casts among plain floats only change precision (a bf16 file run in fp32) and are fine.
+    Anything else must match exactly: cast, packed or integer data would turn into numbers it
+    never meant, and an FP8 weight would lose the scale that gives it its value."""
+    if found == want or (found in PLAIN_FLOATS and want in PLAIN_FLOATS):
+        return None
+    if want in PLAIN_FLOATS:
+        return (f"has dtype {found}, but the config makes it a plain {want} weight (only a "
+                "quantization config, hf_quant_config.json or quantization_config, that covers "
+                "it can make it anything else)")
+    if found in PLAIN_FLOATS:
+        return (f"has dtype {found}, but the quantization config makes it a {want} tensor "
+                "(packed or FP8): the file holds it unquantized")
+    return f"has dtype {found}, but the config makes it {want}"
 
 
 def _shape_message(modules: dict[str, nn.Module], target: str, want: list[int], found: list[int]) -> str:
@@ -152,14 +257,8 @@ def _shape_message(modules: dict[str, nn.Module], target: str, want: list[int], 
 def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a folder (CPU), names as stored: for whole-checkpoint tools such as
     ``blockspec quantize`` that need no model."""
-    out: dict[str, torch.Tensor] = {}
-    for f in shard_files(path):
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                if name in out:
-                    raise CheckpointError(f"tensor {name!r} appears in more than one shard")
-                out[name] = handle.get_tensor(name)
-    return out
+    with TensorSource(path) as src:
+        return {name: src.get(name) for name in src.names()}
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path,

@@ -54,6 +54,17 @@ def _parser() -> argparse.ArgumentParser:
     return top
 
 
+def _input_ids(text: str) -> list[int]:
+    """``--input-ids`` as a non-empty list, checked before any model is loaded."""
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--input-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise ValueError(f"--input-ids is empty ({text!r}); give at least one token id, e.g. 1,2,3")
+    return ids
+
+
 def _generate(ns: argparse.Namespace) -> int:
     from blockspec.engine import Engine
 
@@ -64,13 +75,10 @@ def _generate(ns: argparse.Namespace) -> int:
                      if f.name != "extra" and hasattr(ns, f.name)}
     sp = {k: getattr(ns, k) for k in SAMPLING_FLAGS if getattr(ns, k) is not None}
     sp["ignore_eos"] = ns.ignore_eos
+    ids = _input_ids(ns.input_ids) if ns.input_ids is not None else None
     engine = Engine(**engine_kwargs)
     try:
-        if ns.input_ids is not None:
-            try:
-                ids = [int(x) for x in ns.input_ids.split(",") if x.strip()]
-            except ValueError:
-                raise ValueError(f"--input-ids must be comma-separated integers, got {ns.input_ids!r}") from None
+        if ids is not None:
             out = engine.generate(input_ids=ids, sampling_params=sp, return_logprob=ns.return_logprob)
         else:
             out = engine.generate(prompt=texts[0], sampling_params=sp, return_logprob=ns.return_logprob)

@@ -63,9 +63,11 @@ def build_hf(name: str | dict, seed: int = 0):
     return model
 
 
-def save_hf(model, folder: Path, spelling: str) -> Path:
+def save_hf(model, folder: Path, spelling: str, drop_tied_head: bool = True) -> Path:
     """save_pretrained, then rewrite config.json in the hub's legacy spelling when asked and drop
-    lm_head.weight from tied checkpoints (as tied hub checkpoints do)."""
+    lm_head.weight from tied checkpoints (as tied hub checkpoints do). With
+    ``drop_tied_head=False`` the folder keeps the head transformers wrote: its NemotronH never
+    ties, so a tied config then carries an lm_head.weight of its own."""
     model.save_pretrained(folder)
     cfg_path = folder / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -76,7 +78,7 @@ def save_hf(model, folder: Path, spelling: str) -> Path:
             cfg[old] = cfg.pop(new)
         cfg["time_step_limit"] = [0.0, {"__float__": "Infinity"}]
     cfg_path.write_text(json.dumps(cfg, indent=1))
-    if cfg.get("tie_word_embeddings"):
+    if cfg.get("tie_word_embeddings") and drop_tied_head:
         st = folder / "model.safetensors"
         tensors = load_file(str(st))
         tensors.pop("lm_head.weight", None)
@@ -103,3 +105,15 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 @torch.no_grad()
 def hf_logits(model, prompt: list[int]) -> torch.Tensor:
     return model(torch.tensor([prompt])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy_logprobs(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Target-only greedy decoding (full recomputation) with log p of each chosen token under
+    the model's raw distribution (blockspec's ``output_token_logprobs``)."""
+    ids, lps = list(prompt), []
+    for _ in range(n):
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+        ids.append(int(logp.argmax()))
+        lps.append(float(logp[ids[-1]]))
+    return ids[len(prompt):], lps

@@ -120,6 +120,65 @@ def test_sample_from_anchor_locations_and_default():
     assert cfg.sample_from_anchor is False and cfg.drops_anchor_row and cfg.query_len == 16
 
 
+# ---- DFlash query layouts blockspec does not run --------------------------------------------
+
+def _dflash_with(key, value, nested):
+    d = dflash_cfg()
+    (d["dflash_config"] if nested else d)[key] = value
+    return d
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["dflash_config", "top_level"])
+@pytest.mark.parametrize("key", ["sample_from_anchor", "query_zero_predicts_next"])
+def test_dflash_anchor_first_layout_is_refused(key, nested):
+    where = f"dflash_config.{key}" if nested else key
+    with pytest.raises(DraftConfigError) as e:
+        parse_draft_config(_dflash_with(key, True, nested))
+    msg = str(e.value)
+    assert f"{where}=true" in msg and "anchor-first" in msg
+    assert "1+N query layout" in msg and "row 0 is the anchor" in msg     # the layout we run
+    # the value that names blockspec's own layout, and absence, are fine
+    for value in (False, None):
+        cfg = parse_draft_config(_dflash_with(key, value, nested))
+        assert cfg.sample_from_anchor is False and cfg.query_len == cfg.block_size == 16
+    # a value that is not a bool is named, not guessed at
+    with pytest.raises(DraftConfigError, match=rf"{where} must be true or false, got 'yes'"):
+        parse_draft_config(_dflash_with(key, "yes", nested))
+
+
+def test_dflash_false_at_one_level_does_not_hide_true_at_the_other():
+    d = _dflash_with("sample_from_anchor", False, nested=False)
+    d["dflash_config"]["sample_from_anchor"] = True
+    with pytest.raises(DraftConfigError, match=r"dflash_config\.sample_from_anchor=true"):
+        parse_draft_config(d)
+
+
+@pytest.mark.parametrize("key, value, off", [
+    ("projector_type", "domino", None),
+    ("conv_kernel_size", 2, 0),
+    ("conv_group_size", 64, 0),
+    ("selector_rank", 256, 0),
+    ("selector_top_k", 8, 0),
+    ("output_multiplier", 0.5, 1.0),
+    ("final_logit_softcapping", 30.0, 0.0),
+    ("attention_value_scale", 0.7, 1.0),
+])
+def test_dflash_variants_not_implemented_are_refused(key, value, off):
+    d = _dflash_with(key, value, nested=True)
+    with pytest.raises(DraftConfigError, match=rf"dflash_config\.{key}={value!r} selects a DFlash "
+                                               r"variant.*1\+N query layout"):
+        parse_draft_config(d)
+    assert parse_draft_config(_dflash_with(key, off, nested=True)).algorithm == "dflash"
+
+
+def test_dspark_layout_rules_unchanged():
+    # DSpark legitimately samples from the anchor, at either level, and ignores DFlash variants
+    d = dspark_cfg()
+    d["dflash_config"]["sample_from_anchor"] = True
+    assert parse_draft_config(d).query_len == 7
+    assert parse_draft_config(dspark_cfg(sample_from_anchor=True)).drops_anchor_row is False
+
+
 # ---- target layers ------------------------------------------------------------------------
 
 def test_build_target_layer_ids_defaults():

@@ -258,7 +258,7 @@ class DFlashDraftModel(nn.Module):
         x = draft.embed_block(ids, target_embed)
         h = draft.forward_block(x, pos, ctx_k, ctx_v, ctx_valid)
         h = draft.select_draft_hidden(h)                       # [B, gamma, H]
-        logits = target_lm_head(h)
+        logits = draft.compute_logits(h, target)               # own head, else the target's
     """
 
     def __init__(self, cfg: DraftConfig, quant: QuantPlan | None = None,
@@ -285,6 +285,7 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(
             DraftDecoderLayer(cfg, i, quant, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head: nn.Module | None = None          # see add_own_head
 
     # ---- shapes / layout -------------------------------------------------------------------
     @property
@@ -315,6 +316,20 @@ class DFlashDraftModel(nn.Module):
             raise ValueError(f"draft hidden has shape {tuple(hidden.shape)}, expected "
                              f"[B, {gamma}, H] (sample_from_anchor layout)")
         return hidden
+
+    # ---- output head -----------------------------------------------------------------------
+    def add_own_head(self, vocab_size: int, quant: QuantPlan | None = None,
+                     dtype: torch.dtype | None = torch.float32) -> None:
+        """Give the draft the ``lm_head`` its checkpoint carries (the loader calls this only
+        then): drafts score with their own head when they have one, the target's otherwise."""
+        self.lm_head = build_linear("lm_head", self.config.hidden_size, vocab_size, False, quant, dtype)
+
+    def compute_logits(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        """fp32 draft logits of ``hidden [..., H]``: the draft's own head if it has one, else
+        ``target.compute_logits`` (the target's head, tied or not)."""
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return target.compute_logits(hidden)
 
     # ---- embedding -------------------------------------------------------------------------
     def resolve_embedding(self, target_embed: nn.Module | torch.Tensor | None = None):

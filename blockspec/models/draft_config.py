@@ -8,6 +8,7 @@ Every rule lives here so the engine and the model never re-read the raw dict:
 * target layer ids, with the sglang default spread when absent;
 * mask token, attention layout (layer types, sliding window, causality), RoPE parameters;
 * DSpark Markov head (rank, type) and the query-row layout (``sample_from_anchor``);
+* DFlash query layouts and variants blockspec does not run, refused by name;
 * Nemotron 3.5 detection (``is_nemotron_35_draft_config``), exactly the five published conditions.
 
 ``validate_against_target`` checks a parsed draft against the target it will run with, and
@@ -152,7 +153,7 @@ class DraftConfig:
     max_position_embeddings: int | None
     # block layout
     block_size: int                     # DFlash: B (anchor + B-1 masks); DSpark: gamma
-    sample_from_anchor: bool            # only DSpark uses it (dspark.md §2.2)
+    sample_from_anchor: bool            # DSpark's layout switch (dspark.md §2.2); DFlash: False
     mask_token_id: int
     # target conditioning
     target_layer_ids: list[int]
@@ -310,6 +311,48 @@ def _parse_rope(d: Mapping[str, Any], layer_types: list[str]) -> list[float]:
     return [theta] * len(layer_types)
 
 
+# DFlash fields that ask for a query layout other than the 1+N one blockspec runs (vLLM and
+# sglang refuse both at load); each is accepted only when absent, null or false.
+DFLASH_ANCHOR_FIRST_FIELDS = ("sample_from_anchor", "query_zero_predicts_next")
+DFLASH_LAYOUT = ("the 1+N query layout (row 0 is the anchor and its output is discarded; rows "
+                 "1..B-1 predict positions p+1..p+B-1)")
+# dflash_config fields of DFlash variants blockspec does not implement, with the values that
+# mean "variant off"; any other value would be ignored and run wrongly, so it is refused.
+DFLASH_VARIANT_FIELDS = {
+    "projector_type": (),                      # Domino: anchor-first with a GRU projector
+    "conv_kernel_size": (0,),                  # DFlash2 grouped conv
+    "conv_group_size": (0,),
+    "selector_rank": (0,),                     # DFlash2 candidate selector
+    "selector_top_k": (0,),
+    "output_multiplier": (1,),
+    "final_logit_softcapping": (0,),
+    "attention_value_scale": (1,),
+}
+
+
+def _reject_unsupported_dflash_layout(d: Mapping[str, Any], dfc: Mapping[str, Any]) -> None:
+    """A DFlash draft trained for another query layout would run here with every draft row
+    shifted by one and acceptance collapsed, without any error: refuse it at load."""
+    for key in DFLASH_ANCHOR_FIRST_FIELDS:
+        for where, m in ((f"dflash_config.{key}", dfc), (key, d)):
+            value = m.get(key)
+            if value is None or value is False:
+                continue
+            if value is not True:
+                raise DraftConfigError(f"DFlash draft config: {where} must be true or false, "
+                                       f"got {value!r}")
+            raise DraftConfigError(
+                f"DFlash draft config: {where}=true asks for the anchor-first query layout "
+                f"(row 0 predicts the next token); blockspec runs DFlash only in {DFLASH_LAYOUT}")
+    for key, off in DFLASH_VARIANT_FIELDS.items():
+        value = dfc.get(key)
+        if value is None or (not isinstance(value, bool) and value in off):
+            continue
+        raise DraftConfigError(
+            f"DFlash draft config: dflash_config.{key}={value!r} selects a DFlash variant that "
+            f"blockspec does not implement; blockspec runs plain DFlash in {DFLASH_LAYOUT}")
+
+
 def parse_draft_config(d: Mapping[str, Any], *, target_num_layers: int | None = None) -> DraftConfig:
     """Parse and validate a DFlash / DSpark draft ``config.json`` dict.
 
@@ -371,9 +414,10 @@ def parse_draft_config(d: Mapping[str, Any], *, target_num_layers: int | None = 
     # ---- sample_from_anchor -----------------------------------------------------------------
     if is_dspark:
         sfa = _dspark_lookup(d, "sample_from_anchor")
+        sample_from_anchor = True if sfa is _MISSING else bool(sfa)
     else:
-        sfa = _first((d, "sample_from_anchor"), (dfc, "sample_from_anchor"))
-    sample_from_anchor = True if sfa is _MISSING else bool(sfa)
+        _reject_unsupported_dflash_layout(d, dfc)
+        sample_from_anchor = False
 
     # ---- mask token ---------------------------------------------------------------------------
     if is_dspark:
@@ -567,12 +611,15 @@ _ALIASES = (("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm.")
 _ALWAYS_IGNORED = ("lm_head.", "rotary_emb.")
 
 
-def _normalize_one(name: str, cfg: DraftConfig, keep_confidence_head: bool) -> str | None:
+def _normalize_one(name: str, cfg: DraftConfig, keep_confidence_head: bool,
+                   keep_lm_head: bool) -> str | None:
     n = name[len("model."):] if name.startswith("model.") else name
     for old, new in _ALIASES:
         if n.startswith(old):
             n = new + n[len(old):]
             break
+    if n.startswith("lm_head.") and keep_lm_head:
+        return n
     if n.startswith(_ALWAYS_IGNORED) or ".rotary_emb." in n:
         return None
     if n.startswith("embed_tokens.") and not cfg.is_nemotron_35:
@@ -585,12 +632,13 @@ def _normalize_one(name: str, cfg: DraftConfig, keep_confidence_head: bool) -> s
 
 
 def normalize_draft_tensor_names(names_or_dict: Mapping[str, Any] | Iterable[str],
-                                 cfg: DraftConfig, *, keep_confidence_head: bool = False
-                                 ) -> dict[str, Any]:
+                                 cfg: DraftConfig, *, keep_confidence_head: bool = False,
+                                 keep_lm_head: bool = False) -> dict[str, Any]:
     """Map checkpoint tensor names onto the draft module's parameter names.
 
     Strips a leading ``model.``, aliases ``encoder.fc.*`` → ``fc.*`` and
-    ``encoder.output_norm_enc.*`` → ``hidden_norm.*``, drops ``lm_head.*`` and ``rotary_emb``
+    ``encoder.output_norm_enc.*`` → ``hidden_norm.*``, drops ``lm_head.*`` unless asked (the
+    loader asks: a draft's own head is used when it has one) and ``rotary_emb``
     caches, drops ``embed_tokens.*`` unless the draft is Nemotron 3.5, drops the DSpark
     ``confidence_head.*`` (not built) unless asked, and ``markov_head.*`` for DFlash drafts.
 
@@ -603,7 +651,7 @@ def normalize_draft_tensor_names(names_or_dict: Mapping[str, Any] | Iterable[str
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for name, value in items:
-        new = _normalize_one(name, cfg, keep_confidence_head)
+        new = _normalize_one(name, cfg, keep_confidence_head, keep_lm_head)
         if new is None:
             continue
         if new in out:

@@ -26,6 +26,17 @@ def load_quant_plan(path: Path, raw: dict, names: list[str]):
     return plan
 
 
+def _head_notice(tie_word_embeddings: bool, tied: bool) -> str:
+    """One line saying which output head scores tokens. The rule (sglang's and vLLM's for real
+    tied folders): a folder's own ``lm_head.weight`` is used; tie only when there is none."""
+    if tied:
+        return "output head tied to backbone.embeddings.weight (no lm_head.weight in the folder)"
+    if tie_word_embeddings:
+        return ("output head is the folder's own lm_head.weight (config.json says "
+                "tie_word_embeddings=true, but transformers-saved folders carry an untied head)")
+    return "output head is the folder's lm_head.weight"
+
+
 def load_target(path: str | Path, dtype: torch.dtype, device: torch.device
                 ) -> tuple[NemotronHForCausalLM, NemotronHConfig]:
     folder = Path(path)
@@ -34,8 +45,10 @@ def load_target(path: str | Path, dtype: torch.dtype, device: torch.device
     with TensorSource(folder) as src:
         names = src.names()
         quant = load_quant_plan(folder, raw, names)
+        tie = cfg.tie_word_embeddings and "lm_head.weight" not in names
+        log.info("target %s: %s", folder.name, _head_notice(cfg.tie_word_embeddings, tie))
         with torch.device(device):
-            model = NemotronHForCausalLM(cfg, quant=quant, dtype=dtype)
+            model = NemotronHForCausalLM(cfg, quant=quant, dtype=dtype, tie_head=tie)
         if any(n.startswith("mtp.") for n in names) or cfg.num_nextn_predict_layers:
             log.warning("checkpoint carries MTP layers (mtp.*); they are not used by blockspec")
 
@@ -43,8 +56,6 @@ def load_target(path: str | Path, dtype: torch.dtype, device: torch.device
 
         def rename(name: str) -> str | None:
             if name.startswith("mtp.") or name in kv_scales:   # FP8-KV scales: cache stays bf16
-                return None
-            if cfg.tie_word_embeddings and name == "lm_head.weight":
                 return None
             return name
 

@@ -58,11 +58,15 @@ class Backbone(nn.Module):
 
 class NemotronHForCausalLM(nn.Module):
     def __init__(self, cfg: NemotronHConfig, quant: QuantPlan | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, tie_head: bool | None = None) -> None:
+        """``tie_head``: score with the embedding matrix instead of an ``lm_head`` of its own;
+        default ``cfg.tie_word_embeddings``. The loader passes False when the folder carries an
+        ``lm_head.weight`` (transformers saves one even for tied configs, and it can differ)."""
         super().__init__()
         self.cfg = cfg
+        self.tied_head = cfg.tie_word_embeddings if tie_head is None else tie_head
         self.backbone = Backbone(cfg, quant, dtype)
-        if not cfg.tie_word_embeddings:
+        if not self.tied_head:
             self.lm_head = build_linear("lm_head", cfg.hidden_size, cfg.vocab_size, False, quant, dtype)
         self.mamba_index = {i: n for n, i in enumerate(cfg.layer_ids("mamba"))}
         self.attn_index = {i: n for n, i in enumerate(cfg.layer_ids("attention"))}
@@ -73,7 +77,7 @@ class NemotronHForCausalLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """norm_f'd hidden -> fp32 logits."""
-        if self.cfg.tie_word_embeddings:
+        if self.tied_head:
             return torch.nn.functional.linear(h, self.backbone.embeddings.weight).float()
         return self.lm_head(h).float()
 

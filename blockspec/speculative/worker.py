@@ -74,7 +74,7 @@ class SpecWorker:
         dmeta = uniform_metadata(inp, Q, Mode.DRAFT, ids, m.block_table, m.page_size, self.attn,
                                  self.pool, max_seq_len=max_seq)
         h = draft.select_draft_hidden(draft.forward_paged(x, dmeta).view(B, Q, -1))  # [B, γ, H]
-        base = target.compute_logits(h)                                              # [B, γ, V]
+        base = draft.compute_logits(h, target)                                       # [B, γ, V]
         if self.is_dspark:
             u_draft = None if greedy_only else uniforms(inp["seed"], inp["verify_ctr"], Stream.DRAFT, self.gamma)
             drafts, q = draft.markov_walk(base, h, anchor, inp["temperature"], u_draft,
