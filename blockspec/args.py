@@ -2,10 +2,16 @@
 resolution as one pure function of (device, capability, speculative mode, model)."""
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 SPEC_ALGORITHMS = ("DFLASH", "DSPARK")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 class ArgsError(ValueError):
@@ -99,27 +105,63 @@ def resolve_attention_backends(dev: DeviceInfo, *, attention_backend: str | None
     return ResolvedBackends(prefill=prefill, decode=decode, draft=draft)
 
 
+def arg(default: Any, help: str, *,
+        choices: Sequence[str] | Callable[[], Sequence[str]] | None = None) -> Any:
+    """An EngineArgs field whose CLI help sits next to it. ``choices`` may be a callable so a
+    registry that grows at import time (attention backends) is read when the parser is built.
+    The CLI appends the default and the choices to ``help`` itself."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def attention_backend_choices() -> tuple[str, ...]:
+    return ("auto", *sorted(BACKENDS))
+
+
+def choices_of(f: Any) -> tuple[str, ...] | None:
+    """The choices of an EngineArgs field (see ``arg``), or None when it takes any value."""
+    c = f.metadata.get("choices")
+    return tuple(c() if callable(c) else c) if c is not None else None
+
+
 @dataclass
 class EngineArgs:
-    model_path: str | None = None
-    tokenizer_path: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    random_seed: int = 0
-    max_running_requests: int = 16
-    max_total_tokens: int | None = None
-    chunked_prefill_size: int = 2048
-    page_size: int = 16
-    attention_backend: str | None = None
-    prefill_attention_backend: str | None = None
-    decode_attention_backend: str | None = None
-    speculative_algorithm: str | None = None
-    speculative_draft_model_path: str | None = None
-    speculative_num_draft_tokens: int | None = None
-    speculative_draft_attention_backend: str | None = None
-    cuda_graph_max_bs: int = 32
-    disable_cuda_graph: bool = False
-    log_level: str = "warning"
+    """Engine configuration; each field is a CLI flag (``--model-path``, ...). To add one:
+    ``name: type = arg(default, "one line of help")``; tests check every field has help."""
+
+    model_path: str | None = arg(
+        None, "model folder (config.json, *.safetensors, tokenizer.json); default: the random-weight "
+              "demo model, created on first use under $BLOCKSPEC_CACHE or ~/.cache/blockspec")
+    tokenizer_path: str | None = arg(None, "folder with tokenizer.json; default: the model folder")
+    dtype: str = arg("auto", "compute dtype; auto: float32 on CPU, the checkpoint's dtype on GPU",
+                     choices=(*DTYPES, *DTYPE_ALIASES))
+    device: str = arg("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    random_seed: int = arg(0, "seeds sampling for requests without their own seed")
+    max_running_requests: int = arg(16, "most requests decoded together")
+    max_total_tokens: int | None = arg(None, "cache capacity in tokens over all running requests "
+                                             "(prompt + max_new_tokens each); default: 32768")
+    chunked_prefill_size: int = arg(2048, "most prompt tokens per prefill forward")
+    page_size: int = arg(16, "tokens per KV cache block")
+    attention_backend: str | None = arg(None, "attention kernels for every phase; default: auto "
+                                              "(the best usable on the device)",
+                                        choices=attention_backend_choices)
+    prefill_attention_backend: str | None = arg(None, "prefill attention; default: --attention-backend",
+                                                choices=attention_backend_choices)
+    decode_attention_backend: str | None = arg(None, "decode attention; default: --attention-backend",
+                                               choices=attention_backend_choices)
+    speculative_algorithm: str | None = arg(None, "block speculative decoding (needs "
+                                                  "--speculative-draft-model-path); default: off",
+                                            choices=SPEC_ALGORITHMS)
+    speculative_draft_model_path: str | None = arg(None, "DFlash/DSpark draft checkpoint folder")
+    speculative_num_draft_tokens: int | None = arg(None, "verify block width (>= 2, anchor "
+                                                         "included); default: the draft's block_size")
+    speculative_draft_attention_backend: str | None = arg(
+        None, "draft attention; default: the decode backend when it runs non-causal blocks",
+        choices=attention_backend_choices)
+    cuda_graph_max_bs: int = arg(32, "largest batch replayed from a CUDA graph (graphs are "
+                                     "captured at 1, 2, 4, 8, 16, 24, 32, ... up to it); "
+                                     "larger batches run eagerly")
+    disable_cuda_graph: bool = arg(False, "run every step eagerly (no CUDA graphs)")
+    log_level: str = arg("warning", "logging level", choices=LOG_LEVELS)
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -133,8 +175,12 @@ class EngineArgs:
         return args
 
     def validate(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half"):
+        if self.dtype not in DTYPES and self.dtype not in DTYPE_ALIASES:
             raise ArgsError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ArgsError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ArgsError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.speculative_algorithm is not None:
             algo = self.speculative_algorithm.upper()
             if algo not in SPEC_ALGORITHMS:

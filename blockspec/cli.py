@@ -1,100 +1,257 @@
-"""Command line: ``blockspec generate | quantize``. Flags are EngineArgs fields with dashes.
-Errors print one line and exit non-zero (no traceback)."""
+"""Command line (``blockspec`` or ``python -m blockspec``). Subcommands:
+
+  generate   text or token-id prompts (one, or several run as one batch) -> text or JSON
+  bench      decode benchmark: tok/s, step time, achieved weight GB/s
+  quantize   dense Nemotron-H folder -> ModelOpt-layout W4A16_NVFP4 / NVFP4 / FP8 / mixed folder
+
+``generate``'s engine flags are the EngineArgs fields with dashes, their help taken from the
+fields. Building the parser imports nothing heavy, so ``--help`` and argument errors answer at
+once. Errors print one line and exit 2; Ctrl-C prints one line and exits 130."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from dataclasses import fields
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
 
-from blockspec.args import EngineArgs
+from blockspec import __version__
+from blockspec.args import EngineArgs, choices_of
 
-SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed")
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                  "ignore_eos")
+_TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
+QUANT_ALGOS = ("W4A16_NVFP4", "NVFP4", "FP8", "MIXED_PRECISION")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends every option's default and choices to its help, so the two cannot drift apart.
+    A help text that already says ``default:`` (for a default that is a behaviour, not a
+    value) keeps its own words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is argparse.SUPPRESS or not action.option_strings:
+            return text                                 # -h, --version, positionals, commands
+        notes = []
+        if "default" not in text and not action.required:
+            d = action.default
+            shown = "none" if d is None else ("on" if d else "off") if isinstance(d, bool) else d
+            notes.append(f"default: {shown}")
+        if action.choices and "choices" not in text:
+            notes.append(f"choices: {', '.join(map(str, action.choices))}")
+        extra = f" ({'; '.join(notes)})" if notes else ""
+        return text + extra.replace("%", "%%")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:          # one line, like every other CLI error
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Version(argparse.Action):
+    """--version without importing torch (its version comes from the installed metadata)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print blockspec's, torch's and Python's versions and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        import platform
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            torch = version("torch")
+        except PackageNotFoundError:
+            torch = "not installed"
+        print(f"blockspec {__version__} (torch {torch}, python {platform.python_version()})")
+        parser.exit()
+
+
+def _canonical(choices: Sequence[str]) -> Callable[[str], str]:
+    """Case-insensitive choices: ``dflash`` is read as ``DFLASH``."""
+    by_lower = {c.lower(): c for c in choices}
+
+    def convert(text: str) -> str:
+        return by_lower.get(text.lower(), text)
+
+    return convert
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("engine options (EngineArgs fields)")
     for f in fields(EngineArgs):
         if f.name == "extra":
             continue
         flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            p.add_argument(flag, action="store_true", default=argparse.SUPPRESS)
+        kind = _TYPES[str(f.type).replace(" | None", "")]
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        kw = {"default": default, "help": f.metadata.get("help")}
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true",
+                               **kw)
             continue
-        kind = int if f.type in ("int", "int | None") else str
-        p.add_argument(flag, type=kind, default=argparse.SUPPRESS)
+        choices = choices_of(f)
+        group.add_argument(flag, type=_canonical(choices) if choices else kind, choices=choices,
+                           metavar=f.name.upper() if not choices else None, **kw)
 
 
-def _parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="blockspec", description="Nemotron-H inference with DFlash/DSpark")
-    sub = top.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate from one prompt")
-    g.add_argument("prompt_pos", nargs="?", metavar="PROMPT")
-    g.add_argument("--prompt")
-    g.add_argument("--input-ids", help="comma-separated token ids, e.g. 1,2,3")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--return-logprob", action="store_true")
-    g.add_argument("--json", action="store_true", help="print the result dict as JSON")
+def _generate_flags(g: argparse.ArgumentParser) -> None:
+    g.add_argument("prompt_pos", nargs="?", metavar="PROMPT", help="prompt text (optional)")
+    g.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="prompt text; repeat for several prompts, run as one batch")
+    g.add_argument("--prompt-file", metavar="FILE",
+                   help="one prompt per line (blank lines skipped; - reads stdin), run as one batch")
+    g.add_argument("--input-ids", metavar="IDS", help="comma-separated token ids instead of text, "
+                                                      "e.g. 1,2,3")
+    g.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the tokenizer's chat template")
+    s = g.add_argument_group("sampling (the API's sampling_params)")
+    s.add_argument("--max-new-tokens", type=int, default=32, help="most tokens generated per prompt")
+    s.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature, 0 = greedy (default: 0.0 here; the API's "
+                        "default is 1.0)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept, in (0, 1]")
+    s.add_argument("--top-k", type=int, default=-1, help="most likely tokens kept; -1 = off")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top "
+                                                           "probability; 0 = off")
+    s.add_argument("--seed", type=int, help="this request's own sampling seed; default: none, "
+                                            "sampling then draws from the engine's generator, "
+                                            "seeded by --random-seed")
+    s.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop string (repeatable); the text ends before it")
+    s.add_argument("--stop-token-ids", metavar="IDS",
+                   help="comma-separated token ids that end generation; default: none")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    o = g.add_argument_group("output")
+    o.add_argument("--json", action="store_true",
+                   help="print the result as JSON (text, output_ids, meta_info); a list for "
+                        "several prompts")
+    o.add_argument("--return-logprob", action="store_true",
+                   help="add output_token_logprobs to meta_info (see --json, --verbose)")
+    o.add_argument("-v", "--verbose", action="store_true",
+                   help="print meta_info (token counts, timing, speculative stats) to stderr and "
+                        "show progress bars even when stderr is not a terminal")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from blockspec.bench.bench_args import add_arguments as bench_arguments
+
+    top = _Parser(prog="blockspec", formatter_class=_HelpFormatter,
+                  description="Nemotron-H inference with DFlash/DSpark block speculative decoding")
+    top.add_argument("--version", action=_Version)
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=description,
+                              formatter_class=_HelpFormatter)
+
+    g = command("generate", "generate from one or more prompts",
+                "Generate from one or more prompts. Without --model-path the random-weight demo "
+                "model is used (its text is noise). Sampling is greedy unless --temperature > 0.")
+    _generate_flags(g)
     _engine_flags(g)
-    b = sub.add_parser("bench", help="decode benchmark: tok/s, step time, achieved GB/s")
-    from blockspec.bench.engine_bench import add_arguments
-
-    add_arguments(b)
-    q = sub.add_parser("quantize", help="write a ModelOpt-format quantized checkpoint")
-    q.add_argument("--model-path", required=True)
-    q.add_argument("--output", required=True)
-    q.add_argument("--quant-algo", required=True,
-                   choices=["W4A16_NVFP4", "NVFP4", "FP8", "MIXED_PRECISION"])
-    q.add_argument("--recipe", choices=["lightning"])
+    b = command("bench", "decode benchmark: tok/s, step time, achieved GB/s",
+                "Decode benchmark on a model folder or a random model: prints one JSON line.")
+    bench_arguments(b)
+    q = command("quantize", "write a ModelOpt-format quantized checkpoint",
+                "Quantize a dense Nemotron-H folder into ModelOpt's layout.")
+    q.add_argument("--model-path", required=True, help="dense input folder (required)")
+    q.add_argument("--output", required=True, help="output folder, new or empty (required)")
+    q.add_argument("--quant-algo", required=True, type=_canonical(QUANT_ALGOS), choices=QUANT_ALGOS,
+                   help="format: W4A16_NVFP4 = NVFP4 weights with 16-bit activations (required)")
+    q.add_argument("--recipe", choices=["lightning"],
+                   help="per-layer formats for MIXED_PRECISION; default: none")
+    q.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty --output (its contents are deleted)")
     return top
 
 
-def _input_ids(text: str) -> list[int]:
-    """``--input-ids`` as a non-empty list, checked before any model is loaded."""
+# ---- generate ---------------------------------------------------------------------------------
+def _parse_ids(text: str, flag: str) -> list[int]:
+    """Comma-separated ids as a non-empty list, checked before any model is loaded."""
     try:
         ids = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--input-ids must be comma-separated integers, got {text!r}") from None
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
     if not ids:
-        raise ValueError(f"--input-ids is empty ({text!r}); give at least one token id, e.g. 1,2,3")
+        raise ValueError(f"{flag} is empty ({text!r}); give at least one token id, e.g. 1,2,3")
     return ids
 
 
-def _generate(ns: argparse.Namespace) -> int:
-    from blockspec.engine import Engine
+def _prompts(ns: argparse.Namespace) -> list[str]:
+    texts = ([ns.prompt_pos] if ns.prompt_pos is not None else []) + (ns.prompt or [])
+    if ns.prompt_file is not None:
+        raw = sys.stdin.read() if ns.prompt_file == "-" else Path(ns.prompt_file).read_text()
+        from_file = [line for line in raw.splitlines() if line.strip()]
+        if not from_file:
+            raise ValueError(f"--prompt-file {ns.prompt_file}: no prompts (one per line expected)")
+        texts += from_file
+    return texts
 
-    texts = [t for t in (ns.prompt_pos, ns.prompt) if t is not None]
-    if len(texts) + (ns.input_ids is not None) != 1:
-        raise ValueError("give exactly one of PROMPT, --prompt or --input-ids")
-    engine_kwargs = {f.name: getattr(ns, f.name) for f in fields(EngineArgs)
-                     if f.name != "extra" and hasattr(ns, f.name)}
+
+def _generate(ns: argparse.Namespace) -> int:
+    texts = _prompts(ns)
+    if bool(texts) == (ns.input_ids is not None):
+        raise ValueError("give a text prompt (PROMPT, --prompt or --prompt-file) or --input-ids, "
+                         "exactly one kind")
+    if ns.chat and not texts:
+        raise ValueError("--chat needs a text prompt, not --input-ids")
     sp = {k: getattr(ns, k) for k in SAMPLING_FLAGS if getattr(ns, k) is not None}
-    sp["ignore_eos"] = ns.ignore_eos
-    ids = _input_ids(ns.input_ids) if ns.input_ids is not None else None
+    if ns.stop_token_ids is not None:
+        sp["stop_token_ids"] = _parse_ids(ns.stop_token_ids, "--stop-token-ids")
+    ids = _parse_ids(ns.input_ids, "--input-ids") if ns.input_ids is not None else None
+    engine_kwargs = {f.name: getattr(ns, f.name) for f in fields(EngineArgs) if f.name != "extra"}
+
+    from blockspec.engine import Engine
+    from blockspec.progress import TokenProgress
+
+    if engine_kwargs["model_path"] is None:
+        from blockspec.demo import demo_model_dir, ensure_demo_model
+
+        print(f"blockspec: no --model-path: using the random-weight demo model at "
+              f"{demo_model_dir()} (its text is noise)", file=sys.stderr, flush=True)
+        engine_kwargs["model_path"] = str(ensure_demo_model())
     engine = Engine(**engine_kwargs)
+    progress = TokenProgress(enabled=ns.verbose or sys.stderr.isatty())
+    engine.on_step = progress
     try:
+        if ns.chat:
+            if engine.tokenizer is None:
+                raise ValueError("--chat needs a tokenizer, but the model folder has no tokenizer.json")
+            texts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": t}])
+                     for t in texts]
         if ids is not None:
-            out = engine.generate(input_ids=ids, sampling_params=sp, return_logprob=ns.return_logprob)
+            outs = [engine.generate(input_ids=ids, sampling_params=sp, return_logprob=ns.return_logprob)]
         else:
-            out = engine.generate(prompt=texts[0], sampling_params=sp, return_logprob=ns.return_logprob)
+            outs = engine.generate(prompt=texts, sampling_params=sp, return_logprob=ns.return_logprob)
     finally:
+        progress.close()
         engine.shutdown()
-    if ns.json:
-        print(json.dumps(out, indent=1))
-    else:
-        print(out["text"] if engine.tokenizer is not None or out["text"] else out["output_ids"])
+    _print_results(outs, ns, show_ids=engine.tokenizer is None)
     return 0
 
 
+def _print_results(outs: list[dict], ns: argparse.Namespace, show_ids: bool) -> None:
+    if ns.json:
+        print(json.dumps(outs[0] if len(outs) == 1 else outs, indent=1))
+    for i, out in enumerate(outs):
+        if not ns.json:
+            if len(outs) > 1:                        # headers as `head` prints for several files
+                print(("\n" if i else "") + f"==> prompt {i + 1}/{len(outs)} <==")
+            print(out["output_ids"] if show_ids and not out["text"] else out["text"])
+        if ns.verbose:
+            print(f"meta_info[{i}]: {json.dumps(out['meta_info'])}", file=sys.stderr)
+
+
+# ---- other commands ---------------------------------------------------------------------------
 def _quantize(ns: argparse.Namespace) -> int:
     from blockspec.quant.quantize import quantize_checkpoint
 
-    report = quantize_checkpoint(ns.model_path, ns.output, ns.quant_algo, recipe=ns.recipe)
+    report = quantize_checkpoint(ns.model_path, ns.output, ns.quant_algo, recipe=ns.recipe,
+                                 overwrite=ns.overwrite)
     for notice in getattr(report, "notices", []):
         print(f"notice: {notice}", file=sys.stderr)
     print(f"wrote {ns.quant_algo} checkpoint to {ns.output}")
@@ -107,12 +264,21 @@ def _bench(ns: argparse.Namespace) -> int:
     return bench_main(ns)
 
 
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "generate": _generate, "bench": _bench, "quantize": _quantize}
+
+
 def main(argv: list[str] | None = None) -> int:
-    ns = _parser().parse_args(argv)
+    name = "blockspec"
     try:
-        return {"generate": _generate, "quantize": _quantize, "bench": _bench}[ns.command](ns)
+        ns = build_parser().parse_args(argv)
+        name = f"blockspec {ns.command}"
+        return COMMANDS[ns.command](ns)
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, RuntimeError, OSError, KeyError) as e:
-        print(f"blockspec {ns.command}: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -3,8 +3,11 @@ byte-level tokenizer, created on first use so ``blockspec generate`` runs on a b
 Its text is noise; it exists to exercise the whole path until a trained demo family ships."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -12,7 +15,9 @@ from safetensors.torch import save_file
 
 from blockspec.models.nemotron_h import NemotronHForCausalLM
 from blockspec.models.nemotron_h_config import NemotronHConfig
+from blockspec.staged_dir import TMP_MARK, staged_dir
 
+DEMO_NAME = "demo-tiny"
 SPECIALS = ["<pad>", "<s>", "</s>"]
 DEMO_CONFIG = {
     "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
@@ -29,6 +34,10 @@ DEMO_CONFIG = {
 def default_cache_dir() -> Path:
     root = os.environ.get("BLOCKSPEC_CACHE") or Path.home() / ".cache" / "blockspec"
     return Path(root)
+
+
+def demo_model_dir(root: Path | None = None) -> Path:
+    return (root or default_cache_dir()) / DEMO_NAME
 
 
 def random_state(model: NemotronHForCausalLM, seed: int) -> dict[str, torch.Tensor]:
@@ -80,10 +89,37 @@ def write_demo_model(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+@contextlib.contextmanager
+def _locked(lock_file: Path) -> Iterator[None]:
+    """An exclusive advisory lock between processes. Where fcntl does not exist it is a no-op:
+    concurrent first runs then each write a staged copy and the last rename wins."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(lock_file, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def ensure_demo_model(root: Path | None = None) -> Path:
-    folder = (root or default_cache_dir()) / "demo-tiny"
-    if not (folder / "config.json").is_file():
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        write_demo_model(tmp)
-        tmp.replace(folder) if not folder.exists() else None
+    """The demo model folder, written on first use. Concurrent first runs are safe: one process
+    at a time writes (a lock file next to the folder) into a staged folder that is renamed into
+    place whole, so readers see no folder or a complete one; leftovers of killed writers are
+    swept under the lock."""
+    folder = demo_model_dir(root)
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(folder.parent / f".{DEMO_NAME}.lock"):
+        if (folder / "config.json").is_file():       # another process finished it meanwhile
+            return folder
+        for stale in folder.parent.glob(f"{DEMO_NAME}{TMP_MARK}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        with staged_dir(folder) as tmp:              # replaces an incomplete folder, if any
+            write_demo_model(tmp)
     return folder

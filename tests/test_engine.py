@@ -110,3 +110,23 @@ def test_text_prompts_chat_tokenizer_and_stop_strings(tmp_path):
     both = e.generate(prompt=["a", "bc"], sampling_params={"max_new_tokens": 2})
     assert isinstance(both, list) and len(both) == 2
     assert "Hello" in e.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
+
+
+def test_meta_info_timing_and_step_hook(engine):
+    from blockspec.progress import TokenProgress
+
+    seen = []
+    progress = TokenProgress(enabled=True, delay=0.0)
+    engine.on_step = lambda reqs: (seen.append(sum(len(r.output_ids) for r in reqs)), progress(reqs))
+    try:
+        outs = engine.generate(input_ids=[[3, 4, 5], [6, 7]],
+                               sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+    finally:
+        engine.on_step = None
+    assert seen == sorted(seen) and seen[-1] == 10 and len(seen) == 5     # prefill + 4 decode steps
+    assert progress.bar.n == progress.bar.total == 3 + 2 + 2 * 5
+    progress.close()
+    for o in outs:
+        meta = o["meta_info"]
+        assert 0 < meta["ttft"] <= meta["e2e_latency"]
+        assert meta["output_throughput"] == pytest.approx(5 / meta["e2e_latency"])

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from blockspec.bench.bench_args import add_arguments  # noqa: F401  (the CLI's flags)
+
 H200_BW = 4.8e12
 
 RANDOM_CONFIGS = {
@@ -184,24 +186,6 @@ def run(args: argparse.Namespace) -> dict:
     }
     engine.shutdown()
     return result
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-path")
-    p.add_argument("--random-config", default="tiny", choices=sorted(RANDOM_CONFIGS))
-    p.add_argument("--device")
-    p.add_argument("--dtype")
-    p.add_argument("--random-draft", choices=["dflash", "dspark"],
-                   help="attach a random draft of this kind (measures step cost, not speed-up)")
-    p.add_argument("--speculative-algorithm")
-    p.add_argument("--speculative-draft-model-path")
-    p.add_argument("--speculative-num-draft-tokens", type=int)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", help="append the JSON result to this file")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,8 @@ class Engine:
             detokenize=self.tokenizer.decode if self.tokenizer else None,
             drafter=self.drafter, seed=args.random_seed)
         self._next_rid = 0
+        # Called with a generate call's requests after every step (the CLI's progress bar).
+        self.on_step: Callable[[list[Request]], None] | None = None
 
     # ---- public API ----------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None,
@@ -121,6 +124,8 @@ class Engine:
         while pending:
             for done in self.scheduler.step():
                 pending.discard(done.rid)
+            if self.on_step is not None:
+                self.on_step(reqs)
         spec = self.drafter is not None
         results = [{"text": r.text, "output_ids": list(r.output_ids), "meta_info": r.meta_info(spec)}
                    for r in reqs]

@@ -1,6 +1,7 @@
 """One generation request's life: prompt, committed tokens, cache handles, stop state, stats."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from blockspec.engine.memory import Reservation
@@ -23,6 +24,10 @@ class Request:
     # speculative decoding statistics
     spec_verify_ct: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)
+    # perf_counter timestamps (the scheduler stamps the first token and the finish)
+    created_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def prefilled(self) -> bool:
@@ -35,6 +40,14 @@ class Request:
     def meta_info(self, speculative: bool) -> dict:
         info = {"id": self.rid, "prompt_tokens": len(self.prompt_ids),
                 "completion_tokens": len(self.output_ids), "finish_reason": self.finish_reason}
+        if self.finished_time is not None:
+            # seconds from generate() to the finish (sglang: e2e_latency) and to the first
+            # token; output_throughput = completion tokens per second of e2e_latency
+            e2e = self.finished_time - self.created_time
+            info["e2e_latency"] = e2e
+            if self.first_token_time is not None:
+                info["ttft"] = self.first_token_time - self.created_time
+            info["output_throughput"] = len(self.output_ids) / e2e if e2e > 0 else 0.0
         if self.return_logprob:
             info["output_token_logprobs"] = list(self.output_logprobs)
         if speculative:

@@ -5,6 +5,7 @@ runner, the speculative worker and the model.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -143,6 +144,7 @@ class Scheduler:
 
     def _retire(self, finished: list[Request]) -> list[Request]:
         for req in finished:
+            req.finished_time = time.perf_counter()
             if req in self.running:
                 self.running.remove(req)
             self.memory.release(req.cache)
@@ -156,6 +158,8 @@ class Scheduler:
         p = req.params
         stop_ids = set(p.stop_token_ids or ())
         stops = p.stop_strings()
+        if not req.output_ids:
+            req.first_token_time = time.perf_counter()
         for i, tok in enumerate(tokens):
             req.output_ids.append(tok)
             if req.return_logprob and logprobs is not None:

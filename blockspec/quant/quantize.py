@@ -27,6 +27,7 @@ from blockspec.quant.nvfp4 import (E2M1_MAX, E4M3_MAX, GROUP_SIZE, dequantize_nv
                                    nvfp4_global_scale, quantize_nvfp4, tensor_amax)
 from blockspec.quant.recipes import (FORMAT_TO_ALGO, QuantizeError, inventory, module_sort_key,
                                      select_formats, shared_input_groups)
+from blockspec.staged_dir import staged_dir
 
 MODELOPT_LAYOUT_VERSION = "0.47.0"
 PRODUCER = {"name": "modelopt", "version": MODELOPT_LAYOUT_VERSION}
@@ -244,38 +245,52 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], quant_algo: str,
 
 def quantize_checkpoint(model_path: str | pathlib.Path, output: str | pathlib.Path,
                         quant_algo: str, recipe: str | None = None,
-                        act_amax: Mapping[str, float] | None = None) -> QuantizeReport:
+                        act_amax: Mapping[str, float] | None = None,
+                        overwrite: bool = False) -> QuantizeReport:
     """Quantize a dense HF Nemotron-H folder into ModelOpt's layout at ``output``.
 
     ``quant_algo``: W4A16_NVFP4 | NVFP4 | FP8 | MIXED_PRECISION (needs ``recipe="lightning"``).
     Weights are quantized in their stored dtype (bf16 for HF exports), as ModelOpt does.
-    Other files of the folder (tokenizer, generation config, …) are copied.
+    Other files of the folder (tokenizer, generation config, …) are copied. A non-empty
+    ``output`` is refused unless ``overwrite``, which replaces it; the folder is written whole
+    or not at all (see ``staged_dir``).
     """
     src = pathlib.Path(model_path)
     dst = pathlib.Path(output)
+    _check_output(src, dst, overwrite)
     config = read_config(src)
     if "quantization_config" in config:
         raise QuantizeError(f"{src} is already quantized "
                             f"({config['quantization_config'].get('quant_algo')})")
     tensors = load_tensors(src)
     qtensors, hf_quant, notices = quantize_tensors(tensors, quant_algo, recipe, act_amax)
-    if dst.resolve() == src.resolve():
-        raise QuantizeError("--output must differ from --model-path")
-    dst.mkdir(parents=True, exist_ok=True)
-    for item in src.iterdir():
-        if item.is_file() and item.name not in _WEIGHT_FILES and item.suffix != ".safetensors":
-            shutil.copy2(item, dst / item.name)
-    save_tensors(qtensors, dst / "model.safetensors")
-    config = dict(config)
-    config["quantization_config"] = to_quantization_config(hf_quant)
-    with open(dst / "config.json", "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=4)
-        f.write("\n")
-    with open(dst / "hf_quant_config.json", "w", encoding="utf-8") as f:
-        json.dump(hf_quant, f, indent=4)
-        f.write("\n")
+    with staged_dir(dst) as tmp:
+        for item in src.iterdir():
+            if item.is_file() and item.name not in _WEIGHT_FILES and item.suffix != ".safetensors":
+                shutil.copy2(item, tmp / item.name)
+        save_tensors(qtensors, tmp / "model.safetensors")
+        config = dict(config)
+        config["quantization_config"] = to_quantization_config(hf_quant)
+        with open(tmp / "config.json", "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=4)
+            f.write("\n")
+        with open(tmp / "hf_quant_config.json", "w", encoding="utf-8") as f:
+            json.dump(hf_quant, f, indent=4)
+            f.write("\n")
     formats = {p: f for p, f in sorted(_formats_of(qtensors).items())}
     return QuantizeReport(dst, quant_algo.upper(), formats, notices)
+
+
+def _check_output(src: pathlib.Path, dst: pathlib.Path, overwrite: bool) -> None:
+    """Refuse outputs that would destroy something: the input itself, a folder holding the
+    input, a file, or (without ``overwrite``) a folder with anything in it."""
+    s, d = src.resolve(), dst.resolve()
+    if d == s or d in s.parents:
+        raise QuantizeError(f"--output {dst} would overwrite --model-path {src}; choose another folder")
+    if dst.exists() and not dst.is_dir():
+        raise QuantizeError(f"--output {dst} is a file; expected a folder (new or empty)")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise QuantizeError(f"--output {dst} is not empty; pass --overwrite to replace its contents")
 
 
 def _formats_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
