@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--quant-algo", required=True,
                    choices=["W4A16_NVFP4", "NVFP4", "FP8", "MIXED_PRECISION"])
     q.add_argument("--recipe", choices=["lightning"])
+    from blockspec.eval.gsm8k import add_parser as add_eval
+    from blockspec.train.draft import add_parser as add_train_draft
+    from blockspec.train.target import add_parser as add_train_target
+
+    for add in (add_train_target, add_train_draft, add_eval):   # each sets its own handler
+        add(sub)
     return top
 
 
@@ -99,7 +105,9 @@ def _bench(ns: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     try:
-        return {"generate": _generate, "quantize": _quantize, "bench": _bench}[ns.command](ns)
+        handler = getattr(ns, "handler", None) or {
+            "generate": _generate, "quantize": _quantize, "bench": _bench}[ns.command]
+        return handler(ns)
     except (ValueError, RuntimeError, OSError, KeyError) as e:
         print(f"blockspec {ns.command}: error: {e}", file=sys.stderr)
         return 2
