@@ -13,7 +13,9 @@
 #   demo_family.tar.gz.partNN       the family (blockspec/demo_family/<member>/...), split in
 #                                   15 MiB parts: cat demo_family.tar.gz.part* | tar -xz
 # Knobs (env): DEMO_TOTAL_S (deadline for everything before packing, default 460),
-# DEMO_TARGET_MAX_S (300), DEMO_DRAFT_S (60), DEMO_EVAL_S (50), DEMO_TRAIN_SAMPLES (300000).
+# DEMO_TARGET_MAX_S (300), DEMO_DRAFT_S (60), DEMO_EVAL_S (60), DEMO_TRAIN_SAMPLES (300000),
+# DEMO_INIT_TARGET (a target checkpoint to continue training from, e.g. an unpacked
+# blockspec/demo_family/target: `train-target --init-from`; the drafts are then retrained on it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
@@ -23,6 +25,7 @@ FAM=$WORK/demo_family
 mkdir -p "$OUT" "$FAM" "$WORK/data" "$WORK/eval"
 LOG=$OUT/train_demo.log
 exec > >(tee -a "$LOG") 2>&1
+TEE_PID=$!
 PY="python3 -m blockspec.cli"
 START=$(date +%s)
 
@@ -32,7 +35,7 @@ if [ "${BLOCKSPEC_DEMO_SMOKE:-0}" = 1 ]; then
   T_BATCH=16; D_BATCH=8; ANCHORS=8; EVAL_N=4; EVAL_SPEC_N=2; MAX_NEW=8; DEVICE=cpu
 else
   TOTAL=${DEMO_TOTAL_S:-460}; TARGET_MAX=${DEMO_TARGET_MAX_S:-300}; DRAFT_S=${DEMO_DRAFT_S:-60}
-  EVAL_S=${DEMO_EVAL_S:-50}; SAMPLES=${DEMO_TRAIN_SAMPLES:-300000}; SIZE=demo
+  EVAL_S=${DEMO_EVAL_S:-60}; SAMPLES=${DEMO_TRAIN_SAMPLES:-300000}; SIZE=demo
   T_BATCH=256; D_BATCH=64; ANCHORS=32; EVAL_N=200; EVAL_SPEC_N=64; MAX_NEW=256; DEVICE=auto
 fi
 DEADLINE=$((START + TOTAL))
@@ -58,7 +61,7 @@ TARGET_S=$(( $(left) - RESERVE - 30 ))
 stage "target: train-target --size $SIZE for ${TARGET_S}s"
 timeout $((TARGET_S + 120)) $PY train-target --output "$FAM/target" --data "$WORK/data/train.jsonl" \
   --num-samples "$SAMPLES" --size "$SIZE" --time-budget-s "$TARGET_S" --batch-size "$T_BATCH" \
-  --save-every-s 60 --device "$DEVICE"
+  --save-every-s 60 --device "$DEVICE" ${DEMO_INIT_TARGET:+--init-from "$DEMO_INIT_TARGET"}
 echo "train-target exit $?"
 
 stage "drafts (4 in parallel, ${DRAFT_S}s each) + MIXED_PRECISION target"
@@ -133,3 +136,5 @@ rm -f "$OUT"/demo_family.tar.gz.part*
 split -b 15M -d -a 2 "$WORK/demo_family.tar.gz" "$OUT/demo_family.tar.gz.part"
 ls -l "$OUT"
 stage "done in $(( $(date +%s) - START ))s"
+exec 1>&- 2>&-
+wait "$TEE_PID" 2>/dev/null || true

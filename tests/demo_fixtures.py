@@ -30,7 +30,6 @@ def train_draft(target: Path, folder: Path, name: str, steps: int = 2, *extra: s
     return folder
 
 
-def tiny_family(root: Path) -> dict[str, Path]:
+def tiny_family(root: Path, drafts: tuple[str, ...] = tuple(DRAFTS)) -> dict[str, Path]:
     target = train_target(root / "target")
-    return {"target": target,
-            **{n: train_draft(target, root / n, n) for n in DRAFTS}}
+    return {"target": target, **{n: train_draft(target, root / n, n) for n in drafts}}

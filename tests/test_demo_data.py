@@ -8,7 +8,7 @@ import pytest
 
 from blockspec.demo_data.generator import (generate_split, is_test_question, iter_split,
                                            read_jsonl)
-from blockspec.demo_data.templates import MAX_RESULT, MAX_SMALL_FACTOR, TEMPLATES
+from blockspec.demo_data.templates import MAX_LARGE_FACTOR, MAX_RESULT, MAX_SMALL_FACTOR, TEMPLATES
 from blockspec.eval.gsm8k import DEFAULT_DATA
 
 ANNOT = re.compile(r"<<(\d+)([-+*/])(\d+)(?:\+(\d+))?=(\d+)>>(\d+)")
@@ -39,6 +39,7 @@ def test_gsm8k_format_and_annotations(train):
             assert 0 <= res <= MAX_RESULT, line
             if op in "*/":
                 assert min(a, b) <= MAX_SMALL_FACTOR, line
+                assert (max(a, b) if op == "*" else res) <= MAX_LARGE_FACTOR, line
             assert f"{a}{op}{b}" in line.split("<<")[0], line   # plain expression before it
             results.append(res)
         assert results[-1] == p.value

@@ -53,7 +53,7 @@ def test_plot_writes_png(tmp_path):
 
 
 def test_cli_json_line(tmp_path, capsys):
-    fam = tiny_family(tmp_path)
+    fam = tiny_family(tmp_path, ("dspark",))
     data = tmp_path / "q.jsonl"
     data.write_text("".join(json.dumps({"question": f"Tom has {i} apples and buys 2 more. How many "
                                                     f"apples does he have?",

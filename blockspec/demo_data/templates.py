@@ -2,9 +2,10 @@
 step-by-step answer in GSM8K's style (``48/2 = <<48/2=24>>24`` calculator annotations).
 
 Learnability is designed in: every operation goes through ``calc``, which rejects a draw whose
-result is negative, not an integer or >= 1000, and any product or quotient whose smaller
-factor (the divisor) exceeds 12.  So a ~10M-parameter model only ever has to learn sums and
-differences below 1000 and products of one number by 2..12, over 2-4 steps.
+result is negative, not an integer or >= 1000, any product that is not (2-digit number) x
+(number up to 12), and any quotient whose divisor exceeds 12 or whose result exceeds 99.  So a
+~10M-parameter model only ever has to learn sums and differences below 1000 and the times
+tables of 1..12 against 1..99, over 2-4 steps.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from blockspec.demo_data.vocab import (ANIMALS, CONTAINERS, DAYS, GOODS, GROUPS,
 
 MAX_RESULT = 999
 MAX_SMALL_FACTOR = 12
+MAX_LARGE_FACTOR = 99
 
 
 class Reject(Exception):
@@ -30,11 +32,11 @@ def calc(a: int, sym: str, b: int) -> int:
     elif sym == "-":
         c = a - b
     elif sym == "*":
-        if min(a, b) > MAX_SMALL_FACTOR:
+        if min(a, b) > MAX_SMALL_FACTOR or max(a, b) > MAX_LARGE_FACTOR:
             raise Reject
         c = a * b
     elif sym == "/":
-        if b == 0 or b > MAX_SMALL_FACTOR or a % b:
+        if b == 0 or b > MAX_SMALL_FACTOR or a % b or a // b > MAX_LARGE_FACTOR:
             raise Reject
         c = a // b
     else:
@@ -321,7 +323,7 @@ def ages(d: Draw) -> tuple[str, int]:
 def three_collectors(d: Draw) -> tuple[str, int]:
     a, b, c = d.person(), d.person(), d.person()
     _, items = d.item()
-    x, more = d.n(3, 80), d.n(1, 40)
+    x, more = d.n(3, 60), d.n(1, 35)
     q = (f"{a.name} has {x} {items}. {b.name} has {more} more {items} than {a.name}. {c.name} "
          f"has twice as many {items} as {b.name}. How many {items} do they have together?")
     y, e = d.op(x, "+", more)
@@ -423,7 +425,7 @@ def give_then_bag(d: Draw) -> tuple[str, int]:
 def fence(d: Draw) -> tuple[str, int]:
     p = d.person()
     what = d.pick(("garden", "yard", "pool", "playground", "pen"))
-    length, width = d.n(5, 200), d.n(3, 150)
+    length, width = d.n(5, 60), d.n(3, 39)
     q = (f"A rectangular {what} is {length} feet long and {width} feet wide. {p.name} puts a "
          f"fence around it. How many feet of fence does {p.he} need?")
     s, e = d.op(length, "+", width)

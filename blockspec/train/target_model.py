@@ -45,7 +45,7 @@ def hf_config(pattern: str, vocab_size: int, **sizes) -> dict:
         "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
         "intermediate_size": 768, "mlp_hidden_act": "relu2", "mlp_bias": False,
         "mamba_num_heads": 16, "mamba_head_dim": 32, "ssm_state_size": 32, "n_groups": 2,
-        "conv_kernel": 4, "chunk_size": 64, "expand": 2, "use_conv_bias": True, "use_bias": False,
+        "conv_kernel": 4, "chunk_size": 128, "expand": 2, "use_conv_bias": True, "use_bias": False,
         "mamba_hidden_act": "silu", "time_step_min": 0.001, "time_step_max": 0.1,
         "time_step_floor": 1e-4, "time_step_limit": [0.0, {"__float__": "Infinity"}],
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
