@@ -48,6 +48,20 @@ def test_target_checkpoint_is_transformers_layout(family):
     assert summary["steps"] == 3
 
 
+def test_long_chunk_gradients_are_finite():
+    """A 128-token SSD chunk with fast decay overflows exp() above the diagonal unless it is
+    masked before the exp; that inf must not reach the gradients (0 * inf = NaN)."""
+    from blockspec.train.target_model import build_target, forward_hidden, hf_config
+
+    cfg = hf_config("M*", 64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8,
+                    n_groups=2, chunk_size=128, time_step_min=0.1, time_step_max=0.1)
+    model = build_target(cfg, torch.device("cpu"), 0)
+    h = forward_hidden(model, torch.randint(0, 64, (2, 140)))
+    model.compute_logits(h).logsumexp(-1).mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
 def test_target_resume_continues(tmp_path):
     folder = train_target(tmp_path / "t", 2)
     assert cli(["train-target", "--output", str(folder), "--resume", "--max-steps", "3",

@@ -95,7 +95,8 @@ def main(ns: argparse.Namespace) -> int:
     from blockspec.train.draft_layout import decay_gamma
     from blockspec.train.draft_objective import draft_loss, sample_anchors
     from blockspec.train.loop import (Budget, Reporter, adamw, autocast, configure_backends,
-                                      load_state, lr_at, pick_device, save_state, set_lr)
+                                      load_state, lr_at, optimizer_step, pick_device, save_state,
+                                      set_lr)
 
     t_start = time.monotonic()
     out = Path(ns.output)
@@ -163,12 +164,9 @@ def main(ns: argparse.Namespace) -> int:
         set_lr(opt, lr)
         with autocast(dev):
             loss, stats = draft_loss(draft, target, feats, ids, lengths, anchors, valid, decay)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
+        stepped = optimizer_step(opt, draft, loss)
         budget.tick()
-        report.update(float(loss.detach()), int(valid.sum()) * cfg.query_len, lr)
+        report.update(float(loss.detach()), int(valid.sum()) * cfg.query_len, lr, stepped)
         if time.monotonic() - last_save >= ns.save_every_s:
             checkpoint()
             last_save = time.monotonic()
@@ -180,7 +178,7 @@ def main(ns: argparse.Namespace) -> int:
                "steps": budget.step, "train_seconds": round(budget.elapsed, 1),
                "final_loss": round(float(loss.detach()), 4),
                "train_accept_length_estimate": round(stats.get("prefix", 0.0) + 1.0, 3),
-               "device": str(dev)}
+               "skipped_steps": report.skipped, "device": str(dev)}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"[train-draft] done: {json.dumps(summary)}", flush=True)
     engine.shutdown()

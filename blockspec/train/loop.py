@@ -101,6 +101,20 @@ def adamw(params: list[tuple[str, torch.nn.Parameter]], lr: float, weight_decay:
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **kw)
 
 
+def optimizer_step(opt: torch.optim.Optimizer, module: torch.nn.Module, loss: torch.Tensor,
+                   max_norm: float = 1.0) -> bool:
+    """backward, clip, step.  A non-finite gradient norm skips the step (returns False), so one
+    bad batch cannot poison the weights; the caller counts the skips."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+    if not bool(torch.isfinite(norm)):
+        opt.zero_grad(set_to_none=True)
+        return False
+    opt.step()
+    return True
+
+
 def save_state(folder: Path, **state) -> None:
     """Training state for ``--resume`` (written atomically next to the checkpoint)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -130,8 +144,10 @@ class Reporter:
         self._tokens = 0
         self._loss_sum = 0.0
         self._loss_n = 0
+        self.skipped = 0
 
-    def update(self, loss: float, tokens: int, lr: float) -> None:
+    def update(self, loss: float, tokens: int, lr: float, stepped: bool = True) -> None:
+        self.skipped += not stepped
         self._tokens += tokens
         self._loss_sum += loss
         self._loss_n += 1
@@ -147,7 +163,9 @@ class Reporter:
             dt = max(1e-9, now - self._last)
             print(f"[{self.what}] step {self.budget.step} t={self.budget.elapsed:.0f}s "
                   f"loss {self._loss_sum / self._loss_n:.4f} lr {lr:.2e} "
-                  f"{self._tokens / dt:,.0f} tok/s", flush=True)
+                  f"{self._tokens / dt:,.0f} tok/s"
+                  + (f" ({self.skipped} steps skipped: non-finite gradients)" if self.skipped else ""),
+                  flush=True)
         self._last, self._tokens, self._loss_sum, self._loss_n = now, 0, 0.0, 0
 
     def close(self) -> None:

@@ -94,7 +94,8 @@ def _init_from(model, cfg: dict, folder: Path) -> None:
 def main(ns: argparse.Namespace) -> int:
     from blockspec.train.data import BatchOrder, encode_rows, pad_batch
     from blockspec.train.loop import (Budget, Reporter, adamw, autocast, configure_backends,
-                                      load_state, lr_at, pick_device, save_state, set_lr)
+                                      load_state, lr_at, optimizer_step, pick_device, save_state,
+                                      set_lr)
     from blockspec.train.target_model import (RouterBalancer, build_target, forward_hidden,
                                               hf_config, save_target)
 
@@ -155,13 +156,10 @@ def main(ns: argparse.Namespace) -> int:
             h = forward_hidden(model, ids)
             logits = model.compute_logits(h[:, :-1][mask[:, :-1]])
         loss = F.cross_entropy(logits.float(), ids[:, 1:][mask[:, :-1]])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        stepped = optimizer_step(opt, model, loss)
         balancer.step()
         budget.tick()
-        report.update(float(loss.detach()), int(lengths.sum()), lr)
+        report.update(float(loss.detach()), int(lengths.sum()), lr, stepped)
         if time.monotonic() - last_save >= ns.save_every_s:
             checkpoint()
             last_save = time.monotonic()
@@ -171,14 +169,8 @@ def main(ns: argparse.Namespace) -> int:
     checkpoint()
     summary = {"output": str(out), "params": n_params, "steps": budget.step,
                "train_seconds": round(budget.elapsed, 1), "final_loss": round(float(loss.detach()), 4),
-               "device": str(dev)}
+               "skipped_steps": report.skipped, "device": str(dev)}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"[train-target] done: {json.dumps(summary)}", flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m blockspec.train.target")
-    sp = ap.add_subparsers(dest="command", required=True)
-    add_parser(sp)
-    raise SystemExit(main(ap.parse_args(["train-target", *__import__("sys").argv[1:]])))
