@@ -14,26 +14,41 @@ import torch
 
 @dataclass
 class Sequences:
-    ids: list[list[int]]
-    answer_start: list[int]     # index of the first supervised token (the newline)
+    """Token ids of all sequences in one flat int32 tensor (cheap for 10^5-10^6 rows)."""
+
+    flat: torch.Tensor           # [sum of lengths] int32
+    offsets: torch.Tensor        # [N] start of each sequence in ``flat``
+    lengths: torch.Tensor        # [N]
+    answer_start: torch.Tensor   # [N] index of the first supervised token (the newline)
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return self.lengths.shape[0]
+
+    def ids(self, i: int) -> list[int]:
+        o = int(self.offsets[i])
+        return self.flat[o:o + int(self.lengths[i])].tolist()
 
 
 def encode_rows(tokenizer, rows: list[dict], eos_id: int, max_len: int) -> Sequences:
     """``tokenizer`` is a ``tokenizers.Tokenizer``; rows longer than ``max_len`` are dropped."""
     questions = tokenizer.encode_batch([r["question"] for r in rows], add_special_tokens=False)
     answers = tokenizer.encode_batch(["\n" + r["answer"] for r in rows], add_special_tokens=False)
-    ids, starts = [], []
+    flat: list[int] = []
+    lengths, starts = [], []
     for q, a in zip(questions, answers):
-        seq = q.ids + a.ids + [eos_id]
-        if len(seq) <= max_len and q.ids:
-            ids.append(seq)
+        n = len(q.ids) + len(a.ids) + 1
+        if n <= max_len and q.ids:
+            flat += q.ids
+            flat += a.ids
+            flat.append(eos_id)
+            lengths.append(n)
             starts.append(len(q.ids))
-    if not ids:
+    if not lengths:
         raise ValueError(f"no training sequence fits max_len={max_len}")
-    return Sequences(ids, starts)
+    lengths_t = torch.tensor(lengths)
+    offsets = torch.cumsum(lengths_t, 0) - lengths_t
+    return Sequences(torch.tensor(flat, dtype=torch.int32), offsets, lengths_t,
+                     torch.tensor(starts))
 
 
 class BatchOrder:
@@ -78,13 +93,11 @@ class BatchOrder:
 
 def pad_batch(seqs: Sequences, index: torch.Tensor, pad_id: int, multiple: int = 8
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids [B, T], lengths [B], answer_start [B]); T rounded up to ``multiple``."""
-    rows = [seqs.ids[i] for i in index.tolist()]
-    lengths = torch.tensor([len(r) for r in rows])
-    t = int(lengths.max())
-    t = -(-t // multiple) * multiple
-    ids = torch.full((len(rows), t), pad_id, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, : len(r)] = torch.tensor(r)
-    starts = torch.tensor([seqs.answer_start[i] for i in index.tolist()])
-    return ids, lengths, starts
+    """(ids [B, T] long, lengths [B], answer_start [B]); T rounded up to ``multiple``."""
+    lengths = seqs.lengths[index]
+    t = -(-int(lengths.max()) // multiple) * multiple
+    col = torch.arange(t)[None]
+    inside = col < lengths[:, None]
+    gather = (seqs.offsets[index][:, None] + col).clamp(max=seqs.flat.shape[0] - 1)
+    ids = torch.where(inside, seqs.flat[gather].long(), torch.full_like(gather, pad_id))
+    return ids, lengths, seqs.answer_start[index]

@@ -126,7 +126,7 @@ def main(ns: argparse.Namespace) -> int:
         draft.embed_tokens.weight.data.copy_(target.backbone.embeddings.weight.float())
     opt = adamw(params, ns.lr, ns.weight_decay, dev)
     budget = Budget(ns.time_budget_s, ns.max_steps)
-    order = BatchOrder([len(s) for s in seqs.ids], ns.batch_size, ns.seed)
+    order = BatchOrder(seqs.lengths.tolist(), ns.batch_size, ns.seed)
     gen = torch.Generator().manual_seed(ns.seed)
     if ns.resume:
         st = load_state(out)

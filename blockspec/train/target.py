@@ -116,7 +116,7 @@ def main(ns: argparse.Namespace) -> int:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = adamw(params, ns.lr, ns.weight_decay, dev)
     budget = Budget(ns.time_budget_s, ns.max_steps)
-    order = BatchOrder([len(s) for s in seqs.ids], ns.batch_size, ns.seed)
+    order = BatchOrder(seqs.lengths.tolist(), ns.batch_size, ns.seed)
     if ns.init_from:
         _init_from(model, cfg, Path(ns.init_from))
     if ns.resume:
