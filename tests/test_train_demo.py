@@ -89,6 +89,14 @@ def test_trained_draft_loads_and_is_lossless(family, reference, name):
         assert not d.is_nemotron_35 and d.embed_tokens is None
 
 
+def test_draft_resume_continues(family, tmp_path):
+    from tests.demo_fixtures import train_draft
+
+    folder = train_draft(family["target"], tmp_path / "d", "dspark", 1)
+    train_draft(family["target"], folder, "dspark", 2, "--resume")
+    assert json.loads((folder / "train_summary.json").read_text())["steps"] == 2
+
+
 def test_nemotron_layout_needs_w4a16(family, tmp_path, capsys):
     rc = cli(["train-draft", "--target-model-path", str(family["target"]), "--algorithm", "dflash",
               "--layout", "nemotron35", "--output", str(tmp_path / "d"), "--size", "tiny",

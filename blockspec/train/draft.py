@@ -13,8 +13,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 MAX_LEN = 256
 
 
@@ -61,8 +59,10 @@ def _rows(ns: argparse.Namespace) -> list[dict]:
     return [p.to_json() for p in generate_split("train", ns.num_samples, ns.seed + 1)]
 
 
-def build(ns: argparse.Namespace, target_cfg: dict, mask_id: int, device: torch.device):
+def build(ns: argparse.Namespace, target_cfg: dict, mask_id: int, device):
     """(draft config dict, parsed config, trainable fp32 draft module)."""
+    import torch
+
     from blockspec.models.dflash import build_draft_model
     from blockspec.models.draft_config import parse_draft_config
     from blockspec.train.draft_layout import default_target_layer_ids, draft_config
@@ -86,10 +86,11 @@ def build(ns: argparse.Namespace, target_cfg: dict, mask_id: int, device: torch.
 
 
 def main(ns: argparse.Namespace) -> int:
-    from blockspec.checkpoint import read_config
-    from blockspec.engine import Engine
+    import torch
     from tokenizers import Tokenizer
 
+    from blockspec.checkpoint import read_config
+    from blockspec.engine import Engine
     from blockspec.train.data import BatchOrder, encode_rows, pad_batch
     from blockspec.train.draft_export import save_draft
     from blockspec.train.draft_layout import decay_gamma
@@ -104,6 +105,9 @@ def main(ns: argparse.Namespace) -> int:
     configure_backends(dev)
     target_path = Path(ns.target_model_path)
     target_cfg = read_config(target_path)
+    if not (target_path / "tokenizer.json").is_file():
+        raise ValueError(f"--target-model-path {target_path}: no tokenizer.json (the training "
+                         f"text is tokenized with the target's tokenizer)")
     tok = Tokenizer.from_file(str(target_path / "tokenizer.json"))
     mask_id = tok.token_to_id("<|mask|>")
     if mask_id is None:

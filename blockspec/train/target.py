@@ -14,9 +14,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 SIZES = {
     # every layer kind: Mamba-2 M, attention *, relu² MLP -, MoE E
     "demo": dict(pattern="M*-M*EM*-M*E", sizes={}),
@@ -81,6 +78,8 @@ def _tokenizer(ns: argparse.Namespace, out: Path, rows: list[dict]):
 
 
 def _init_from(model, cfg: dict, folder: Path) -> None:
+    import torch
+
     from blockspec.checkpoint import TensorSource, load_state, read_config
 
     other = {k: v for k, v in read_config(folder).items() if k != "dtype"}
@@ -92,6 +91,9 @@ def _init_from(model, cfg: dict, folder: Path) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
+    import torch
+    import torch.nn.functional as F
+
     from blockspec.train.data import BatchOrder, encode_rows, pad_batch
     from blockspec.train.loop import (Budget, Reporter, adamw, autocast, configure_backends,
                                       load_state, lr_at, optimizer_step, pick_device, save_state,

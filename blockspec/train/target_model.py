@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from blockspec.layers.attention import Attention
 from blockspec.layers.mamba2 import Mamba2Mixer
-from blockspec.layers.moe import MoE, TopkRouter
+from blockspec.layers.moe import TopkRouter
 from blockspec.models.nemotron_h import NemotronHForCausalLM
 from blockspec.models.nemotron_h_config import NemotronHConfig
 
