@@ -80,10 +80,11 @@ def _canonical(choices: Sequence[str]) -> Callable[[str], str]:
     return convert
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
+def engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per EngineArgs field (help, default and choices from the field)."""
     group = p.add_argument_group("engine options (EngineArgs fields)")
     for f in fields(EngineArgs):
-        if f.name == "extra":
+        if f.name == "extra" or f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = _TYPES[str(f.type).replace(" | None", "")]
@@ -152,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "Generate from one or more prompts. Without --model-path the random-weight demo "
                 "model is used (its text is noise). Sampling is greedy unless --temperature > 0.")
     _generate_flags(g)
-    _engine_flags(g)
+    engine_flags(g)
     b = command("bench", "decode benchmark: tok/s, step time, achieved GB/s",
                 "Decode benchmark on a model folder or a random model: prints one JSON line.")
     bench_arguments(b)
@@ -166,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-layer formats for MIXED_PRECISION; default: none")
     q.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty --output (its contents are deleted)")
+    from blockspec.eval.gsm8k import add_parser as add_eval
+    from blockspec.train.draft import add_parser as add_train_draft
+    from blockspec.train.target import add_parser as add_train_target
+
+    for add in (add_train_target, add_train_draft, add_eval):   # each sets its own handler
+        add(sub)
     return top
 
 
@@ -273,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ns = build_parser().parse_args(argv)
         name = f"blockspec {ns.command}"
-        return COMMANDS[ns.command](ns)
+        handler = getattr(ns, "handler", None) or COMMANDS[ns.command]
+        return handler(ns)
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130

@@ -49,7 +49,9 @@ def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
         q = acum.shape[1]
         seg = acum[:, :, None, :] - acum[:, None, :, :]               # [Bt,l,s,H]
         causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
-        L = torch.where(causal[None, :, :, None], torch.exp(seg), torch.zeros_like(seg))
+        # mask before exp: exp(-inf) = 0 exactly, and no inf above the diagonal whose
+        # gradient (0 * inf) would poison training
+        L = torch.exp(seg.masked_fill(~causal[None, :, :, None], float("-inf")))
         xdt = x[:, sl] * dt[:, sl, :, None]                            # [Bt,q,H,P]
         G = torch.einsum("blhn,bshn->blsh", C[:, sl], B[:, sl])
         y = torch.einsum("blsh,bshp->blhp", G * L, xdt)

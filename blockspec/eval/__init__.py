@@ -1,0 +1,1 @@
+"""Evaluations run through ``blockspec.Engine`` (``blockspec eval ...``)."""

@@ -1,0 +1,1 @@
+"""Training the demo family: ``train-target`` (Nemotron-H) and ``train-draft`` (DFlash/DSpark)."""
