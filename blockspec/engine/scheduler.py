@@ -1,6 +1,7 @@
 """Scheduler: admits requests by cache capacity, plans prefill chunks, runs one step at a time
 (a prefill batch, or a decode / speculative step over every running request), samples, and
-applies stop rules. Works on requests and token ids; tensors stay inside the runner/model."""
+applies stop rules (engine/stop.py). Works on requests and token ids; tensors stay inside the
+runner/model. Only the engine loop's thread (engine/loop.py) drives it."""
 from __future__ import annotations
 
 from collections import deque
@@ -11,6 +12,7 @@ import torch
 from torch.profiler import record_function
 
 from blockspec.engine.request import Request
+from blockspec.engine.stop import append_tokens
 from blockspec.runtime.model_runner import ModelRunner
 from blockspec.sampling import logprobs_of, sample
 
@@ -40,12 +42,18 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
+        self._last_was_prefill = False
 
     @property
     def lookahead(self) -> int:
         return self.drafter.lookahead if self.drafter is not None else 0
 
     def add(self, req: Request) -> None:
+        self.check(req)
+        self.waiting.append(req)
+
+    def check(self, req: Request) -> None:
+        """Raise ValueError when ``req`` can never run here (read-only: any thread may call it)."""
         need = req.max_len(self.lookahead)
         if need > self.runner.total_tokens:
             raise ValueError(f"request needs {need} cache positions (prompt {len(req.prompt_ids)} + "
@@ -53,17 +61,20 @@ class Scheduler:
                              f"{self.runner.total_tokens}; raise max_total_tokens")
         if not req.prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
-        self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one forward; returns the requests that finished in it."""
+        """Run one forward; returns the requests it changed (new tokens, or finished)."""
         self._admit()
-        if self.prefilling:
+        # While both have work, prefill chunks alternate with decode steps, so a long prompt
+        # being prefilled does not stall the running streams.
+        if self.prefilling and not (self.running and self._last_was_prefill):
+            self._last_was_prefill = True
             return self._prefill_step()
+        self._last_was_prefill = False
         if self.running:
             return self._decode_step()
         return []
@@ -91,7 +102,6 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.on_prefill(chunks, out.aux_hidden)
         done_rows = [i for i, (req, _, _) in enumerate(chunks) if req.prefilled]
-        finished = []
         if done_rows:
             done = [chunks[i][0] for i in done_rows]
             logits = out.logits[torch.tensor(done_rows, device=out.logits.device)]
@@ -104,8 +114,9 @@ class Scheduler:
             live = [i for i, req in enumerate(done) if not req.finished]
             if live:
                 self._sample_and_append([done[i] for i in live], logits[torch.tensor(live, device=logits.device)])
-            finished = [req for req in done if req.finished]
-        return self._retire(finished)
+            self._retire([req for req in done if req.finished])
+            return done
+        return []
 
     def _decode_step(self) -> list[Request]:
         reqs = list(self.running)
@@ -117,7 +128,8 @@ class Scheduler:
         else:
             for req, (tokens, lps) in zip(reqs, self.drafter.step(reqs)):
                 self._append(req, tokens, lps)
-        return self._retire([r for r in reqs if r.finished])
+        self._retire([r for r in reqs if r.finished])
+        return reqs
 
     def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self.fallback)
@@ -137,36 +149,24 @@ class Scheduler:
                 req.text = self.detokenize(req.output_ids)
         return finished
 
-    # ---- stop rules --------------------------------------------------------------------------
+    # ---- stop rules (engine/stop.py) --------------------------------------------------------
     def _append(self, req: Request, tokens: list[int], logprobs: list[float] | None) -> None:
-        p = req.params
-        stop_ids = set(p.stop_token_ids or ())
-        stops = p.stop_strings()
-        for i, tok in enumerate(tokens):
-            req.output_ids.append(tok)
-            if req.return_logprob and logprobs is not None:
-                req.output_logprobs.append((float(logprobs[i]), tok))
-            if tok in stop_ids or (not p.ignore_eos and tok in self.eos):
-                req.finish_reason = {"type": "stop", "matched": tok}
-            elif stops and self.detokenize is not None and self._stop_string(req, stops):
-                pass
-            elif len(req.output_ids) >= p.max_new_tokens:
-                req.finish_reason = {"type": "length", "length": p.max_new_tokens}
-            if req.finished:
-                return
+        append_tokens(req, tokens, logprobs, eos=self.eos, detokenize=self.detokenize)
 
-    def _stop_string(self, req: Request, stops: list[str]) -> bool:
-        """Check the newest tokens only: decoding a short tail per token keeps stop strings
-        O(1) per step; a hit is confirmed and cut on the full text."""
-        window = 4 * max(len(s) for s in stops) + 4        # a character spans <= 4 byte tokens
-        tail = self.detokenize(req.output_ids[-window:])
-        if not any(s in tail for s in stops):
-            return False
-        text = self.detokenize(req.output_ids)
-        hits = [(text.find(s), s) for s in stops if s in text]
-        if not hits:
-            return False
-        at, s = min(hits)
-        req.text = text[:at]
-        req.finish_reason = {"type": "stop", "matched": s}
-        return True
+    # ---- engine loop API (engine/loop.py) ------------------------------------------------------
+    def abort(self, rid: object) -> Request | None:
+        """Drop a request wherever it is (queued, prefilling or decoding) and free its KV blocks,
+        Mamba slot and draft context now; None when no such request is here."""
+        for queue in (self.waiting, self.prefilling, self.running):
+            req = next((r for r in queue if r.rid == rid), None)
+            if req is not None:
+                queue.remove(req)
+                req.finish_reason = {"type": "abort", "message": "aborted"}
+                self._retire([req])
+                return req
+        return None
+
+    def usage(self) -> tuple[int, int, float]:
+        """(queued requests, requests holding cache, fraction of KV blocks held)."""
+        a = self.runner.allocator
+        return len(self.waiting), len(self.prefilling) + len(self.running), 1 - a.num_free / a.num_blocks
