@@ -1,5 +1,5 @@
-"""Command line: ``blockspec generate | quantize``. Flags are EngineArgs fields with dashes.
-Errors print one line and exit non-zero (no traceback)."""
+"""Command line: ``blockspec generate | quantize | bench | serve``. Flags are EngineArgs fields
+with dashes. Errors print one line and exit non-zero (no traceback)."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--quant-algo", required=True,
                    choices=["W4A16_NVFP4", "NVFP4", "FP8", "MIXED_PRECISION"])
     q.add_argument("--recipe", choices=["lightning"])
+    from blockspec.server.args import add_serve_parser
+
+    add_serve_parser(sub, _engine_flags)
     return top
 
 
@@ -96,10 +99,17 @@ def _bench(ns: argparse.Namespace) -> int:
     return bench_main(ns)
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    from blockspec.server.launch import run
+
+    return run(ns)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     try:
-        return {"generate": _generate, "quantize": _quantize, "bench": _bench}[ns.command](ns)
+        return {"generate": _generate, "quantize": _quantize, "bench": _bench,
+                "serve": _serve}[ns.command](ns)
     except (ValueError, RuntimeError, OSError, KeyError) as e:
         print(f"blockspec {ns.command}: error: {e}", file=sys.stderr)
         return 2
