@@ -226,3 +226,19 @@ def test_shutdown_ends_running_streams(folder):
             pass
     with pytest.raises(ValueError, match="shut down"):
         e.generate(input_ids=[1])
+
+
+def test_a_crashed_loop_ends_its_requests_instead_of_hanging(folder):
+    e = Engine(model_path=str(folder), device="cpu")
+    try:
+        def broken(changed):
+            raise KeyError("a bug in the loop itself")
+
+        e._loop._emit = broken
+        with pytest.raises(RuntimeError, match="engine loop crashed: KeyError"):
+            e.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)
+        assert not e.stats().alive and e.stats().cache_usage == 0.0
+        with pytest.raises(ValueError, match="crashed"):
+            e.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)
+    finally:
+        e.shutdown()

@@ -107,6 +107,10 @@ def test_token_id_prompts_and_logprobs(client, offline):
     assert one.choices[0].text == want[0]["text"]
     lps = one.choices[0].logprobs.token_logprobs
     assert lps == pytest.approx([lp for lp, _ in want[0]["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    streamed = [lp for chunk in client.completions.create(model=MODEL, prompt=ids[0], max_tokens=8,
+                                                          logprobs=0, stream=True, **GREEDY)
+                for lp in chunk.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lps, abs=1e-6)
     both = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, **GREEDY)
     assert [c.text for c in both.choices] == [w["text"] for w in want]
 

@@ -63,7 +63,8 @@ async def run_load(url: str, *, requests: int = 200, max_tokens: int = 16,
     await client.close()
     await http.aclose()
     ok = [r for r in results if not isinstance(r, BaseException)]
-    errors = [repr(r) for r in results if isinstance(r, BaseException)]
+    errors = [f"{r!r} <- {r.__cause__!r}" if r.__cause__ else repr(r)
+              for r in results if isinstance(r, BaseException)]
     lat, ttfts = [r[0] for r in ok], [r[1] for r in ok if not math.isnan(r[1])]
     out_tokens = sum(r[2] for r in ok)
     return {"requests": requests, "completed": len(ok), "errors": len(errors),

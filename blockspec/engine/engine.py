@@ -134,8 +134,8 @@ class Engine:
                       return_logprob=return_logprob)
         try:
             loop.submit(req, sink, stream=stream)
-        except EngineClosedError:
-            raise GenerateError("this Engine was shut down; create a new one") from None
+        except EngineClosedError as e:
+            raise GenerateError(f"{e}; create a new Engine") from None
         return req.rid
 
     def abort(self, rid: str, wait: float | None = None) -> bool:
@@ -190,7 +190,12 @@ class Engine:
         pending = set(rids)
         try:
             while pending:
-                out = outputs.get()
+                try:
+                    out = outputs.get(timeout=1.0)
+                except queue.Empty:
+                    if self._loop is not None and self._loop.alive:
+                        continue
+                    raise RuntimeError("the engine loop stopped before the request finished") from None
                 if out.finished:
                     pending.discard(out.rid)
                     if out.finish_reason.get("type") == "error":

@@ -87,7 +87,7 @@ class EngineLoop:
         self._outbox: list[tuple[_Live, StreamOutput]] = []     # loop thread only
         self._acks: list[threading.Event] = []
         self.stats = LoopStats()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._guarded_run, name=name, daemon=True)
         self._thread.start()
 
     # ---- any thread --------------------------------------------------------------------------
@@ -134,6 +134,22 @@ class EngineLoop:
         return self._thread.is_alive()
 
     # ---- the loop thread ---------------------------------------------------------------------
+    def _guarded_run(self) -> None:
+        """Should the loop itself break, end every request instead of leaving clients waiting."""
+        try:
+            self._run()
+        except BaseException as e:      # noqa: BLE001
+            log.exception("engine loop crashed")
+            with self._cv:
+                self._closing = self._closing or f"engine loop crashed: {type(e).__name__}: {e}"
+                self._inbox.clear()
+            try:
+                self._fail_all(self._closing, closed=True)
+                self._flush(alive=False)
+            except Exception:       # noqa: BLE001
+                log.exception("could not end the requests of the crashed loop")
+                self.stats = LoopStats(alive=False)
+
     def _run(self) -> None:
         while True:
             with self._cv:
@@ -145,7 +161,7 @@ class EngineLoop:
             for cmd in commands:
                 self._apply(cmd)
             if closing is not None:
-                self._fail_all(closing)
+                self._fail_all(closing, closed=True)
                 self._flush(alive=False)
                 return
             if self._outbox or self._acks:       # aborts answered before the next step runs
@@ -201,14 +217,16 @@ class EngineLoop:
         if done is not None:
             self._acks.append(done)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, closed: bool = False) -> None:
+        """End every live request with an ``error`` finish (``closed``: the loop is stopping)."""
+        reason = {"type": "error", "message": message, **({"closed": True} if closed else {})}
         for rid in list(self._live):
             live = self._live.pop(rid)
             try:
                 self._sched.abort(rid)
             except Exception:       # noqa: BLE001 - state may be broken after a failed step
                 log.exception("could not release request %s", rid)
-            self._finish(live, {"type": "error", "message": message})
+            self._finish(live, dict(reason))
 
     def _emit(self, changed: list[Request]) -> None:
         for req in changed:

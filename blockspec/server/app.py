@@ -51,7 +51,7 @@ def _engine_failure(out: StreamOutput, closing: bool) -> APIError | None:
     """An output that ended in an engine error (not a stop, length limit or abort)."""
     if out.finish_reason is None or out.finish_reason["type"] != "error":
         return None
-    if closing or "shut down" in out.finish_reason["message"]:
+    if closing or out.finish_reason.get("closed"):
         return APIError(503, f"the server is shutting down: {out.finish_reason['message']}",
                         code="shutting_down")
     return APIError(500, out.finish_reason["message"], code="engine_error")
@@ -147,7 +147,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                              stream=stream)
 
     # ---- OpenAI -------------------------------------------------------------------------------------
-    def completion_logprobs(c: Choice, lps: list[tuple[float, int]], start: int) -> dict:
+    def completion_logprobs(lps: list[tuple[float, int]], start: int) -> dict:
         tokens = [token_str(t) for _, t in lps]
         offsets, at = [], start
         for s in tokens:
@@ -180,7 +180,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                     return []
                 lp = None
                 if prep.return_logprob:
-                    lp = completion_logprobs(c, out.logprobs, offsets[i])
+                    lp = completion_logprobs(out.logprobs, offsets[i])
                     offsets[i] += sum(len(s) for s in lp["tokens"])
                 choice = {"index": i, "text": out.text, "logprobs": lp,
                           "finish_reason": finish_reason(out.finish_reason)}
@@ -193,7 +193,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         choices = await collect(group, request)
         return JSONResponse({**base, "choices": [
             {"index": i, "text": c.text, "finish_reason": finish_reason(c.reason),
-             "logprobs": completion_logprobs(c, c.logprobs, 0) if prep.return_logprob else None}
+             "logprobs": completion_logprobs(c.logprobs, 0) if prep.return_logprob else None}
             for i, c in enumerate(choices)], "usage": usage_of(choices, prep.n)})
 
     @app.post("/v1/chat/completions")

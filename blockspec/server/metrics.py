@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                disable_created_metrics, generate_latest)
-from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401 - re-exported
 
 from blockspec.engine.loop import LoopStats, StreamOutput
 
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 

@@ -74,8 +74,8 @@ def _check_ids(ids: list[int], vocab: int, param: str) -> None:
         raise _bad(f"{param}: token id(s) {bad[:5]} outside the vocabulary [0, {vocab})", param)
 
 
-def _max_tokens(req: _Sampling, value: int | None, prompt_len: int, context: int,
-                prompt_param: str, default: int | None) -> int:
+def _max_tokens(value: int | None, prompt_len: int, context: int, prompt_param: str,
+                default: int | None) -> int:
     if prompt_len >= context:
         raise _bad(f"the prompt has {prompt_len} tokens but the context holds {context} "
                    f"(prompt + output); shorten the prompt", prompt_param, "context_length_exceeded")
@@ -139,7 +139,7 @@ def completion_inputs(req: CompletionRequest, engine: Any, served: str) -> Prepa
     prompts = _prompts(req.prompt, engine)
     items = []
     for ids in prompts:
-        mx = _max_tokens(req, req.max_tokens, len(ids), engine.context_length, "prompt", default=16)
+        mx = _max_tokens(req.max_tokens, len(ids), engine.context_length, "prompt", default=16)
         params = _sampling(req, mx)
         items += [Item(ids, params) for _ in range(req.n)]
     return Prepared(items, req.n, return_logprob=req.logprobs is not None)
@@ -202,7 +202,7 @@ def chat_inputs(req: ChatCompletionRequest, engine: Any, served: str) -> Prepare
         messages.append({"role": m.role, "content": content or ""})
     ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    mx = _max_tokens(req, wanted, len(ids), engine.context_length, "messages", default=None)
+    mx = _max_tokens(wanted, len(ids), engine.context_length, "messages", default=None)
     params = _sampling(req, mx)
     return Prepared([Item(ids, params) for _ in range(req.n)], req.n, return_logprob=req.logprobs)
 
