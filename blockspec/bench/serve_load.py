@@ -71,7 +71,8 @@ async def run_load(url: str, *, requests: int = 200, max_tokens: int = 16,
             "error_samples": errors[:3], "max_tokens": max_tokens, "wall_s": round(wall, 3),
             "latency_p50_s": round(percentile(lat, 50), 4),
             "latency_p99_s": round(percentile(lat, 99), 4),
-            "ttft_p50_s": round(percentile(ttfts, 50), 4), "ttft_p99_s": round(percentile(ttfts, 99), 4),
+            "ttft_p50_s": round(percentile(ttfts, 50), 4),
+            "ttft_p99_s": round(percentile(ttfts, 99), 4),
             "output_tokens": out_tokens, "output_tok_per_s": round(out_tokens / wall, 1),
             "short_outputs": sum(1 for r in ok if r[2] != max_tokens)}
 
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                 result["engine_steps"] = engine.stats().steps
         finally:
             engine.shutdown()
-        result["server"] = f"in-process demo model, {ns.device}, max_running_requests={ns.max_running_requests}"
+        result["server"] = (f"in-process demo model, {ns.device}, "
+                            f"max_running_requests={ns.max_running_requests}")
     print(json.dumps(result))
     return 0 if result["errors"] == 0 else 1
 

@@ -93,6 +93,10 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         completion = sum(len(c.ids) for c in choices)
         return usage(prompt, completion, spec_totals(choices))
 
+    def usage_tail(base: dict, n: int, wanted: bool) -> Callable[[list[Choice]], list[dict]]:
+        """stream_options.include_usage: one last chunk with no choices and the usage."""
+        return lambda choices: [{**base, "choices": [], "usage": usage_of(choices, n)}] if wanted else []
+
     # ---- shared streaming / collecting ------------------------------------------------------------
     async def collect(group: Group, request: Request) -> list[Choice]:
         choices = [Choice() for _ in group.rids]
@@ -186,10 +190,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                           "finish_reason": finish_reason(out.finish_reason)}
                 return [{**base, "choices": [choice], **({"usage": None} if want_usage else {})}]
 
-            def tail(choices: list[Choice]) -> list[dict]:
-                return [{**base, "choices": [], "usage": usage_of(choices, prep.n)}] if want_usage else []
-
-            return sse_response(event_stream(group, render, [], tail))
+            return sse_response(event_stream(group, render, [],
+                                             usage_tail(base, prep.n, want_usage)))
         choices = await collect(group, request)
         return JSONResponse({**base, "choices": [
             {"index": i, "text": c.text, "finish_reason": finish_reason(c.reason),
@@ -219,10 +221,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                           "finish_reason": finish_reason(out.finish_reason)}
                 return [{**base, "choices": [choice], **extra}]
 
-            def tail(choices: list[Choice]) -> list[dict]:
-                return [{**base, "choices": [], "usage": usage_of(choices, prep.n)}] if want_usage else []
-
-            return sse_response(event_stream(group, render, head, tail))
+            return sse_response(event_stream(group, render, head,
+                                             usage_tail(base, prep.n, want_usage)))
         choices = await collect(group, request)
         return JSONResponse({**base, "choices": [
             {"index": i, "message": {"role": "assistant", "content": c.text},

@@ -35,7 +35,8 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+def error_body(status: int, message: str, *, param: str | None = None,
+               code: str | None = None) -> dict:
     return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
 

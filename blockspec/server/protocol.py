@@ -106,7 +106,9 @@ def usage(prompt_tokens: int, completion_tokens: int, spec: tuple[int, int] | No
 
 def finish_reason(reason: dict | None) -> str | None:
     """Engine finish reason -> OpenAI's string (``abort`` as sglang sends it)."""
-    return None if reason is None else {"stop": "stop", "length": "length"}.get(reason["type"], "abort")
+    if reason is None:
+        return None
+    return {"stop": "stop", "length": "length"}.get(reason["type"], "abort")
 
 
 def sse(data: dict | str) -> str:

@@ -222,9 +222,11 @@ def generate_inputs(req: GenerateRequest, engine: Any) -> tuple[bool, list[Item]
         param = "input_ids"
     for ids in prompts:
         _check_ids(ids, engine.config.vocab_size, param)
-    sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
+    sps = req.sampling_params
+    sps = sps if isinstance(sps, list) else [sps] * len(prompts)
     if len(sps) != len(prompts):
-        raise _bad(f"sampling_params has {len(sps)} entries for {len(prompts)} prompts", "sampling_params")
+        raise _bad(f"sampling_params has {len(sps)} entries for {len(prompts)} prompts",
+                   "sampling_params")
     rids = None if req.rid is None else ([req.rid] if isinstance(req.rid, str) else req.rid)
     if rids is not None and len(rids) != len(prompts):
         raise _bad(f"rid has {len(rids)} entries for {len(prompts)} prompts", "rid")
