@@ -154,6 +154,12 @@ class Engine:
         return min(self.config.max_position_embeddings,
                    self.runner.total_tokens - self.scheduler.lookahead)
 
+    @property
+    def verify_width(self) -> int:
+        """Positions one speculative verify covers (anchor + drafts: the most tokens it can
+        commit); 0 without speculation."""
+        return self.scheduler.lookahead if self.drafter is not None else 0
+
     def shutdown(self) -> None:
         """Stop the engine loop (running requests end with an error) and drop the model."""
         if self._loop is not None:

@@ -61,8 +61,9 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                max_queued_requests: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """An app serving ``engine``; it does not own it (whoever made the engine shuts it down)."""
-    metrics = Metrics(verify_width=engine.scheduler.lookahead if engine.drafter is not None else 0)
+    metrics = Metrics(verify_width=engine.verify_width)
     client = EngineClient(engine, metrics, max_queued_requests)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
@@ -74,7 +75,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     errors.install(app)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics,
                        routes=ROUTES)
-    speculative = engine.drafter is not None
+    speculative = engine.verify_width > 0
     tokenizer = engine.tokenizer
 
     def token_str(t: int) -> str:
