@@ -1,12 +1,16 @@
 """Command line (``blockspec`` or ``python -m blockspec``). Subcommands:
 
-  generate   text or token-id prompts (one, or several run as one batch) -> text or JSON
-  bench      decode benchmark: tok/s, step time, achieved weight GB/s
-  quantize   dense Nemotron-H folder -> ModelOpt-layout W4A16_NVFP4 / NVFP4 / FP8 / mixed folder
+  generate      text or token-id prompts (one, or several run as one batch) -> text or JSON
+  serve         OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)
+  bench         decode benchmark: tok/s, step time, achieved weight GB/s
+  quantize      dense Nemotron-H folder -> ModelOpt-layout W4A16_NVFP4 / NVFP4 / FP8 / mixed folder
+  train-target  train the demo Nemotron-H target on GSM8K-format data
+  train-draft   train a DFlash / DSpark draft for a target
+  eval gsm8k    GSM8K-format accuracy and speculative statistics
 
-``generate``'s engine flags are the EngineArgs fields with dashes, their help taken from the
-fields. Building the parser imports nothing heavy, so ``--help`` and argument errors answer at
-once. Errors print one line and exit 2; Ctrl-C prints one line and exits 130."""
+``generate``'s and ``serve``'s engine flags are the EngineArgs fields with dashes, their help
+taken from the fields. Building the parser imports nothing heavy, so ``--help`` and argument
+errors answer at once. Errors print one line and exit 2; Ctrl-C prints one line and exits 130."""
 from __future__ import annotations
 
 import argparse
@@ -173,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     for add in (add_train_target, add_train_draft, add_eval):   # each sets its own handler
         add(sub)
+    from blockspec.server.args import add_serve_parser
+
+    add_serve_parser(sub, engine_flags)
     return top
 
 
@@ -271,8 +278,14 @@ def _bench(ns: argparse.Namespace) -> int:
     return bench_main(ns)
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    from blockspec.server.launch import run
+
+    return run(ns)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "generate": _generate, "bench": _bench, "quantize": _quantize}
+    "generate": _generate, "bench": _bench, "quantize": _quantize, "serve": _serve}
 
 
 def main(argv: list[str] | None = None) -> int:

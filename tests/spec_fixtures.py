@@ -39,6 +39,20 @@ def make_spec_target(root: Path, offset: float = 3.0, seed: int = 0, mix: float 
     return model, folder
 
 
+CHARS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def write_char_tokenizer(folder: Path, vocab: int) -> Path:
+    """One character per token id (``a`` = 0, ``b`` = 1, ...), no specials: text and ids map one
+    to one, so a server's text answers can be compared token for token."""
+    from tokenizers import Tokenizer, decoders, models
+
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(CHARS[:vocab])}, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
 def draft_config(kind: str, *, hidden: int, vocab: int, target_layers: int, block_size: int,
                  layers: int = 2, head_type: str = "vanilla", sample_from_anchor: bool | None = None,
                  nemotron: bool = False, target_layer_ids: list[int] | None = None) -> dict:

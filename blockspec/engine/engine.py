@@ -1,8 +1,13 @@
-"""Offline Engine in sglang's shape: ``Engine(model_path=...).generate(prompt=..., ...)``."""
+"""Engine in sglang's shape: ``Engine(model_path=...).generate(prompt=..., ...)``, a client of
+the engine loop (engine/loop.py) like the HTTP server; ``submit``/``abort``/``stats`` are what
+servers build on."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import queue
+import uuid
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +15,7 @@ import torch
 
 from blockspec.args import DeviceInfo, EngineArgs, resolve_attention_backends
 from blockspec.checkpoint import read_config, resolve_dtype
+from blockspec.engine.loop import EngineClosedError, EngineLoop, LoopStats, StreamOutput
 from blockspec.engine.memory import CacheLayout, MemoryManager
 from blockspec.engine.request import Request
 from blockspec.engine.scheduler import Scheduler
@@ -100,38 +106,98 @@ class Engine:
             self.runner, self.memory, eos_token_ids=eos, chunked_prefill_size=args.chunked_prefill_size,
             detokenize=self.tokenizer.decode if self.tokenizer else None,
             drafter=self.drafter, seed=args.random_seed)
-        self._next_rid = 0
-        # Called with a generate call's requests after every step (the CLI's progress bar).
-        self.on_step: Callable[[list[Request]], None] | None = None
+        # The loop thread never refers back to the Engine, so an Engine dropped without
+        # shutdown() is collected and its finalizer stops the thread.
+        self._loop: EngineLoop | None = EngineLoop(
+            self.scheduler, detokenize=self.tokenizer.decode if self.tokenizer else None,
+            speculative=self.drafter is not None)
+        weakref.finalize(self, self._loop.close)
+        # Called as on_step(tokens done, tokens total) while a generate call waits (the CLI's
+        # progress bar); prompt tokens count as done once the request's first output arrives.
+        self.on_step: Callable[[int, int], None] | None = None
 
     # ---- public API ----------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None,
                  sampling_params: dict | list[dict] | None = None,
-                 return_logprob: bool = False) -> dict | list[dict]:
-        if self.scheduler is None:
-            raise GenerateError("this Engine was shut down; create a new one")
+                 return_logprob: bool = False,
+                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+        """One prompt gives a dict ``{"text", "output_ids", "meta_info"}``, a list gives a list.
+
+        With ``stream=True``: an iterator of deltas, one per step that changed a request,
+        ``{"text": new text, "output_ids": new ids, "meta_info": {...}}`` (plus ``"index"`` into
+        the prompt list when a list was given); the deltas concatenate to the non-streamed
+        result and each request's last delta carries its full ``meta_info``. Closing the
+        iterator early aborts what is still running."""
         single, id_lists = self._normalize_prompts(prompt, input_ids)
         params = self._normalize_params(sampling_params, len(id_lists))
-        reqs = []
         for ids, p in zip(id_lists, params):
-            req = Request(rid=self._next_rid, prompt_ids=ids, params=p, return_logprob=return_logprob)
-            self._next_rid += 1
-            reqs.append(req)
-        for req in reqs:
-            self.scheduler.add(req)
-        pending = {r.rid for r in reqs}
-        while pending:
-            for done in self.scheduler.step():
-                pending.discard(done.rid)
+            self._check(ids, p)                 # all or nothing: nothing queued on a bad prompt
+        outputs: queue.SimpleQueue[StreamOutput] = queue.SimpleQueue()
+        rids = [self.submit(ids, p, outputs.put, return_logprob=return_logprob, stream=stream)
+                for ids, p in zip(id_lists, params)]
+        if stream:
+            return self._stream(rids, outputs, single)
+        results = {rid: {"text": "", "output_ids": [], "meta_info": None} for rid in rids}
+        sizes = {rid: (len(ids), p.max_new_tokens) for rid, ids, p in zip(rids, id_lists, params)}
+        total = sum(a + b for a, b in sizes.values())
+        done: dict[str, int] = {}
+        for out in self._drain(rids, outputs):
+            r = results[out.rid]
+            r["text"] += out.text
+            r["output_ids"] += out.token_ids
+            if out.finished:
+                r["meta_info"] = out.meta_info
             if self.on_step is not None:
-                self.on_step(reqs)
-        spec = self.drafter is not None
-        results = [{"text": r.text, "output_ids": list(r.output_ids), "meta_info": r.meta_info(spec)}
-                   for r in reqs]
-        return results[0] if single else results
+                prompt, most = sizes[out.rid]
+                done[out.rid] = prompt + (most if out.finished else len(r["output_ids"]))
+                self.on_step(sum(done.values()), total)
+        ordered = [results[rid] for rid in rids]
+        return ordered[0] if single else ordered
+
+    def submit(self, input_ids: list[int], params: SamplingParams,
+               sink: Callable[[StreamOutput], None], *, return_logprob: bool = False,
+               stream: bool = True, rid: str | None = None) -> str:
+        """Queue one request on the engine loop and return its id; its ``StreamOutput``s go to
+        ``sink`` from the loop thread (which must not block). Raises GenerateError when the
+        request is malformed or can never fit. This is the entry point for servers."""
+        loop = self._require_loop()
+        self._check(input_ids, params)
+        req = Request(rid=rid if rid is not None else uuid.uuid4().hex, prompt_ids=list(input_ids),
+                      params=params, return_logprob=return_logprob)
+        try:
+            loop.submit(req, sink, stream=stream)
+        except EngineClosedError as e:
+            raise GenerateError(f"{e}; create a new Engine") from None
+        return req.rid
+
+    def abort(self, rid: str, wait: float | None = None) -> bool:
+        """Abort a queued or running request; its cache is freed before the next step (with
+        ``wait`` seconds: by the time this returns). False when no such request is live."""
+        return self._loop.abort(rid, wait=wait) if self._loop is not None else False
+
+    def stats(self) -> LoopStats:
+        """Queue depth, running requests, cache usage and step count, as of the last step."""
+        return self._loop.stats if self._loop is not None else LoopStats(alive=False)
+
+    @property
+    def context_length(self) -> int:
+        """Most tokens (prompt + output) one request may span: the model's position limit or
+        what the cache can reserve for a single request, whichever is smaller."""
+        return min(self.config.max_position_embeddings,
+                   self.memory.total_tokens - self.memory.lookahead)
+
+    @property
+    def verify_width(self) -> int:
+        """Positions one speculative verify covers (anchor + drafts: the most tokens it can
+        commit); 0 without speculation."""
+        return self.memory.lookahead if self.drafter is not None else 0
 
     def shutdown(self) -> None:
+        """Stop the engine loop (running requests end with an error) and drop the model."""
+        if self._loop is not None:
+            self._loop.close()
+        self._loop = None
         self.scheduler = None
         self.runner = None
         self.memory = None
@@ -144,20 +210,68 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    # ---- loop clients --------------------------------------------------------------------------
+    def _require_loop(self) -> EngineLoop:
+        if self._loop is None:
+            raise GenerateError("this Engine was shut down; create a new one")
+        return self._loop
+
+    def _check(self, input_ids: list[int], params: SamplingParams) -> None:
+        self._require_loop()
+        self._check_ids(input_ids)
+        try:
+            self.scheduler.check(Request(rid="", prompt_ids=list(input_ids), params=params))
+        except ValueError as e:
+            raise GenerateError(str(e)) from None
+
+    def _drain(self, rids: list[str], outputs: queue.SimpleQueue) -> Iterator[StreamOutput]:
+        """Outputs of ``rids`` until each has finished; an engine failure raises here. Leaving
+        early (an exception, ^C, a closed stream) aborts what is still running."""
+        pending = set(rids)
+        try:
+            while pending:
+                try:
+                    out = outputs.get(timeout=1.0)
+                except queue.Empty:
+                    if self._loop is not None and self._loop.alive:
+                        continue
+                    raise RuntimeError("the engine loop stopped before the request finished") from None
+                if out.finished:
+                    pending.discard(out.rid)
+                    if out.finish_reason.get("type") == "error":
+                        raise RuntimeError(f"request {out.rid} failed: {out.finish_reason['message']}")
+                yield out
+        finally:
+            for rid in pending:
+                self.abort(rid)
+
+    def _stream(self, rids: list[str], outputs: queue.SimpleQueue, single: bool) -> Iterator[dict]:
+        index = {rid: i for i, rid in enumerate(rids)}
+        for out in self._drain(rids, outputs):
+            chunk = {"text": out.text, "output_ids": out.token_ids, "meta_info": out.meta_info}
+            if not single:
+                chunk["index"] = index[out.rid]
+            yield chunk
+
     # ---- input normalisation -----------------------------------------------------------------
+    def _check_ids(self, ids: list[int]) -> None:
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise GenerateError(f"input_ids: token ids must be ints in [0, {vocab}), found {bad[:5]}")
+
     def _normalize_prompts(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
+        if self._loop is None:
+            raise GenerateError("this Engine was shut down; create a new one")
         if (prompt is None) == (input_ids is None):
             raise GenerateError("give exactly one of prompt or input_ids")
-        vocab = self.config.vocab_size
         if input_ids is not None:
             single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
             lists = [input_ids] if single else input_ids
             if not isinstance(lists, list) or not all(isinstance(x, list) for x in lists):
                 raise GenerateError("input_ids must be a list of ints or a list of lists of ints")
             for x in lists:
-                bad = [t for t in x if not isinstance(t, int) or not 0 <= t < vocab]
-                if bad:
-                    raise GenerateError(f"input_ids: token ids must be ints in [0, {vocab}), found {bad[:5]}")
+                self._check_ids(x)
             return single, [list(x) for x in lists]
         if self.tokenizer is None:
             raise GenerateError("a text prompt needs a tokenizer, but the model folder has no "

@@ -1,7 +1,8 @@
 """Scheduler: admits requests by cache capacity, plans prefill chunks, runs one step at a time
 (a prefill batch, or a decode / speculative step over every running request) and applies stop
-rules. It owns the requests and the memory manager's reservations; tensors stay inside the
-runner, the speculative worker and the model.
+rules (engine/stop.py). It owns the requests and the memory manager's reservations; tensors
+stay inside the runner, the speculative worker and the model. Only the engine loop's thread
+(engine/loop.py) drives it.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch.profiler import record_function
 
 from blockspec.engine.memory import MemoryManager
 from blockspec.engine.request import Request
+from blockspec.engine.stop import append_tokens
 from blockspec.runtime.metadata import StepBatch
 from blockspec.runtime.model_runner import ModelRunner
 from blockspec.sampling import request_seed
@@ -44,8 +46,18 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
+        self._last_was_prefill = False
+        self._arrivals = 0
 
     def add(self, req: Request) -> None:
+        self.check(req)
+        # unseeded requests draw from a stream of --random-seed numbered by arrival order
+        req.seed = request_seed(req.params.seed, self.seed, self._arrivals)
+        self._arrivals += 1
+        self.waiting.append(req)
+
+    def check(self, req: Request) -> None:
+        """Raise ValueError when ``req`` can never run here (read-only: any thread may call it)."""
         need = self.memory.needed_tokens(len(req.prompt_ids), req.params.max_new_tokens)
         if need > self.memory.total_tokens:
             raise ValueError(f"request needs {need} cache positions (prompt {len(req.prompt_ids)} + "
@@ -53,15 +65,17 @@ class Scheduler:
                              f"{self.memory.total_tokens}; raise max_total_tokens")
         if not req.prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
-        req.seed = request_seed(req.params.seed, self.seed, req.rid)
-        self.waiting.append(req)
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one forward; returns the requests that finished in it."""
+        """Run one forward; returns the requests it changed (new tokens, or finished)."""
         self._admit()
-        if self.prefilling:
+        # While both have work, prefill chunks alternate with decode steps, so a long prompt
+        # being prefilled does not stall the running streams.
+        if self.prefilling and not (self.running and self._last_was_prefill):
+            self._last_was_prefill = True
             return self._prefill_step()
+        self._last_was_prefill = False
         if self.running:
             return self._decode_step()
         return []
@@ -108,7 +122,8 @@ class Scheduler:
             picked = self.runner.sample_rows(logits, self._step_batch(reqs)).cpu().tolist()
             for req, (tok, lp) in zip(reqs, picked):
                 self._append(req, [int(tok)], [lp])
-        return self._retire([req for req in done if req.finished])
+        self._retire([req for req in done if req.finished])
+        return done
 
     def _step_batch(self, reqs: list[Request]) -> StepBatch:
         temps = [0.0 if r.params.is_greedy else float(r.params.temperature) for r in reqs]
@@ -140,7 +155,8 @@ class Scheduler:
                     req.spec_accept_histogram = [0] * self.drafter.lookahead
                 req.spec_accept_histogram[a] += 1
                 self._append(req, tokens, lps)
-        return self._retire([r for r in reqs if r.finished])
+        self._retire([r for r in reqs if r.finished])
+        return reqs
 
     def _retire(self, finished: list[Request]) -> list[Request]:
         for req in finished:
@@ -153,38 +169,26 @@ class Scheduler:
                 req.text = self.detokenize(req.output_ids)
         return finished
 
-    # ---- stop rules --------------------------------------------------------------------------
+    # ---- stop rules (engine/stop.py) --------------------------------------------------------
     def _append(self, req: Request, tokens: list[int], logprobs: list[float] | None) -> None:
-        p = req.params
-        stop_ids = set(p.stop_token_ids or ())
-        stops = p.stop_strings()
-        if not req.output_ids:
+        if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
-        for i, tok in enumerate(tokens):
-            req.output_ids.append(tok)
-            if req.return_logprob and logprobs is not None:
-                req.output_logprobs.append((float(logprobs[i]), tok))
-            if tok in stop_ids or (not p.ignore_eos and tok in self.eos):
-                req.finish_reason = {"type": "stop", "matched": tok}
-            elif stops and self.detokenize is not None and self._stop_string(req, stops):
-                pass
-            elif len(req.output_ids) >= p.max_new_tokens:
-                req.finish_reason = {"type": "length", "length": p.max_new_tokens}
-            if req.finished:
-                return
+        append_tokens(req, tokens, logprobs, eos=self.eos, detokenize=self.detokenize)
 
-    def _stop_string(self, req: Request, stops: list[str]) -> bool:
-        """Check the newest tokens only: decoding a short tail per token keeps stop strings
-        O(1) per step; a hit is confirmed and cut on the full text."""
-        window = 4 * max(len(s) for s in stops) + 4        # a character spans <= 4 byte tokens
-        tail = self.detokenize(req.output_ids[-window:])
-        if not any(s in tail for s in stops):
-            return False
-        text = self.detokenize(req.output_ids)
-        hits = [(text.find(s), s) for s in stops if s in text]
-        if not hits:
-            return False
-        at, s = min(hits)
-        req.text = text[:at]
-        req.finish_reason = {"type": "stop", "matched": s}
-        return True
+    # ---- engine loop API (engine/loop.py) ------------------------------------------------------
+    def abort(self, rid: object) -> Request | None:
+        """Drop a request wherever it is (queued, prefilling or decoding) and free its KV blocks,
+        Mamba slot and draft context now; None when no such request is here."""
+        for queue in (self.waiting, self.prefilling, self.running):
+            req = next((r for r in queue if r.rid == rid), None)
+            if req is not None:
+                queue.remove(req)
+                req.finish_reason = {"type": "abort", "message": "aborted"}
+                self._retire([req])
+                return req
+        return None
+
+    def usage(self) -> tuple[int, int, float]:
+        """(queued requests, requests holding cache, fraction of KV pages held)."""
+        a = self.memory.allocator
+        return len(self.waiting), len(self.prefilling) + len(self.running), 1 - a.num_free / a.num_blocks

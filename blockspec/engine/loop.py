@@ -1,0 +1,283 @@
+"""The engine loop: one thread owns the scheduler and steps it while there is work; any thread
+submits requests, aborts them and reads their outputs, at any time.
+
+Requests and aborts go through an inbox that the loop drains between steps, so only the loop's
+thread ever touches the scheduler, and a request submitted mid-stream joins the running batch
+at the next step (continuous batching). Every step's changes leave as ``StreamOutput``s through
+each request's sink, a callable that must not block (``queue.put`` for a blocking client,
+``loop.call_soon_threadsafe(...)`` for an asyncio one): the loop knows nothing of HTTP or
+asyncio, and the offline ``Engine.generate`` is just another client.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from blockspec.engine.request import Request
+from blockspec.engine.scheduler import Scheduler
+from blockspec.engine.stop import Detokenize, IncrementalDetokenizer
+
+log = logging.getLogger("blockspec")
+
+
+class EngineClosedError(RuntimeError):
+    """The loop was shut down; it takes no more requests."""
+
+
+@dataclass
+class StreamOutput:
+    """What one step changed for one request. Concatenating ``token_ids``, ``text`` and
+    ``logprobs`` over a request's outputs gives its whole result; the last output has
+    ``finish_reason`` and the full ``meta_info``."""
+
+    rid: str
+    token_ids: list[int]
+    text: str                                   # safe text delta (see engine/stop.py)
+    logprobs: list[tuple[float, int]]           # (logprob, token id) per new token, when asked
+    meta_info: dict                             # id, prompt/completion tokens; all of it at the end
+    finish_reason: dict | None = None           # stop / length / abort / error (with "message")
+    accept_lengths: list[int] = field(default_factory=list)   # tokens committed per verify, bonus incl.
+    time: float = 0.0                           # time.monotonic() when the output left the loop
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+Sink = Callable[[StreamOutput], None]
+
+
+@dataclass(frozen=True)
+class LoopStats:
+    """A snapshot published after every loop iteration; safe to read from any thread."""
+
+    waiting: int = 0            # submitted, holding no cache yet
+    running: int = 0            # holding cache: prefilling or decoding
+    cache_usage: float = 0.0    # fraction of KV blocks held
+    steps: int = 0              # forward steps run so far
+    alive: bool = True
+
+
+@dataclass
+class _Live:
+    req: Request
+    sink: Sink
+    detok: IncrementalDetokenizer | None       # streaming requests with a tokenizer only
+    sent_ids: int = 0
+    sent_logprobs: int = 0
+    histogram: list[int] = field(default_factory=list)   # spec_accept_histogram last reported
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, *, detokenize: Detokenize | None,
+                 speculative: bool, name: str = "blockspec-engine-loop") -> None:
+        self._sched = scheduler
+        self._detokenize = detokenize
+        self._speculative = speculative
+        self._cv = threading.Condition()
+        self._inbox: deque[tuple] = deque()        # ("add", _Live) | ("abort", rid, Event | None)
+        self._known: set[str] = set()               # ids submitted and not finished (under _cv)
+        self._closing: str | None = None
+        self._live: dict[str, _Live] = {}           # loop thread only
+        self._steps = 0
+        self._outbox: list[tuple[_Live, StreamOutput]] = []     # loop thread only
+        self._acks: list[threading.Event] = []
+        self.stats = LoopStats()
+        self._thread = threading.Thread(target=self._guarded_run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- any thread --------------------------------------------------------------------------
+    def submit(self, req: Request, sink: Sink, *, stream: bool = True) -> None:
+        """Queue ``req``; its outputs go to ``sink`` from the loop thread. Non-streaming
+        requests get their text in one piece at the end (no per-step detokenizing)."""
+        detok = None
+        if stream and self._detokenize is not None:
+            detok = IncrementalDetokenizer(self._detokenize, req.params.stop_strings())
+        with self._cv:
+            if self._closing is not None:
+                raise EngineClosedError(f"the engine loop is closed ({self._closing})")
+            if req.rid in self._known:
+                raise ValueError(f"request id {req.rid!r} is already in use")
+            self._known.add(req.rid)
+            self._inbox.append(("add", _Live(req, sink, detok)))
+            self._cv.notify()
+
+    def abort(self, rid: str, *, wait: float | None = None) -> bool:
+        """Abort a queued or running request: it ends with finish_reason ``abort`` and its cache
+        is freed before the next step. False when no such request is live. With ``wait``
+        (seconds), return only once the loop has freed it."""
+        done = threading.Event() if wait else None
+        with self._cv:
+            if rid not in self._known or self._closing is not None:
+                return False
+            self._inbox.append(("abort", rid, done))
+            self._cv.notify()
+        if done is not None:
+            done.wait(wait)
+        return True
+
+    def close(self, reason: str = "the engine was shut down", timeout: float | None = 30.0) -> None:
+        """End every live request with an ``error`` finish and stop the thread (idempotent)."""
+        with self._cv:
+            if self._closing is None:
+                self._closing = reason
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- the loop thread ---------------------------------------------------------------------
+    def _guarded_run(self) -> None:
+        """Should the loop itself break, end every request instead of leaving clients waiting."""
+        try:
+            self._run()
+        except BaseException as e:      # noqa: BLE001
+            log.exception("engine loop crashed")
+            with self._cv:
+                self._closing = self._closing or f"engine loop crashed: {type(e).__name__}: {e}"
+                self._inbox.clear()
+            try:
+                self._fail_all(self._closing, closed=True)
+                self._flush(alive=False)
+            except Exception:       # noqa: BLE001
+                log.exception("could not end the requests of the crashed loop")
+                self.stats = LoopStats(alive=False)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self._live and self._closing is None:
+                    self._cv.wait()
+                commands = list(self._inbox)
+                self._inbox.clear()
+                closing = self._closing
+            for cmd in commands:
+                self._apply(cmd)
+            if closing is not None:
+                self._fail_all(closing, closed=True)
+                self._flush(alive=False)
+                return
+            if self._outbox or self._acks:       # aborts answered before the next step runs
+                self._flush()
+            if self._live:
+                try:
+                    changed = self._sched.step()
+                except Exception as e:      # noqa: BLE001 - a failed step must not kill the server
+                    log.exception("engine step failed; ending the requests it held")
+                    self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                else:
+                    self._steps += 1
+                    self._emit(changed)
+            self._flush()
+
+    def _flush(self, alive: bool = True) -> None:
+        """Publish the stats, then hand out this iteration's outputs and acknowledge aborts, so
+        whoever sees an output or an acknowledgement also sees stats at least this fresh."""
+        waiting, running, usage = self._sched.usage()
+        with self._cv:
+            inbox = sum(1 for c in self._inbox if c[0] == "add")
+        self.stats = LoopStats(waiting=waiting + inbox, running=running, cache_usage=usage,
+                               steps=self._steps, alive=alive)
+        outbox, self._outbox = self._outbox, []
+        for live, out in outbox:
+            try:
+                live.sink(out)
+            except Exception:       # noqa: BLE001 - a client's broken sink must not stop the loop
+                log.exception("output sink of request %s failed; aborting it", live.req.rid)
+                if self._live.pop(live.req.rid, None) is not None:
+                    self._sched.abort(live.req.rid)
+                    with self._cv:
+                        self._known.discard(live.req.rid)
+        acks, self._acks = self._acks, []
+        for done in acks:
+            done.set()
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            live: _Live = cmd[1]
+            try:
+                self._sched.add(live.req)
+            except ValueError as e:
+                self._finish(live, {"type": "error", "message": str(e)})
+            else:
+                self._live[live.req.rid] = live
+            return
+        _, rid, done = cmd
+        live = self._live.pop(rid, None)
+        if live is not None:
+            self._sched.abort(rid)
+            self._finish(live, {"type": "abort", "message": "aborted"})
+        if done is not None:
+            self._acks.append(done)
+
+    def _fail_all(self, message: str, closed: bool = False) -> None:
+        """End every live request with an ``error`` finish (``closed``: the loop is stopping)."""
+        reason = {"type": "error", "message": message, **({"closed": True} if closed else {})}
+        for rid in list(self._live):
+            live = self._live.pop(rid)
+            try:
+                self._sched.abort(rid)
+            except Exception:       # noqa: BLE001 - state may be broken after a failed step
+                log.exception("could not release request %s", rid)
+            self._finish(live, dict(reason))
+
+    def _emit(self, changed: list[Request]) -> None:
+        for req in changed:
+            live = self._live.get(req.rid)
+            if live is None:
+                continue
+            if req.finished:
+                del self._live[req.rid]
+                self._finish(live, req.finish_reason)
+            else:
+                self._send(live, self._output(live))
+
+    def _finish(self, live: _Live, reason: dict) -> None:
+        """Last output of a request: the remaining ids and text, the full meta_info."""
+        req = live.req
+        req.finish_reason = reason
+        out = self._output(live, final=True)
+        with self._cv:
+            self._known.discard(req.rid)
+        self._send(live, out)
+
+    def _output(self, live: _Live, final: bool = False) -> StreamOutput:
+        req = live.req
+        ids = req.output_ids[live.sent_ids:]
+        lps = req.output_logprobs[live.sent_logprobs:]
+        live.sent_ids, live.sent_logprobs = len(req.output_ids), len(req.output_logprobs)
+        if final:
+            full = req.text          # set by the scheduler when it retires the request
+            if not full and req.output_ids and self._detokenize is not None \
+                    and not isinstance(req.finish_reason.get("matched"), str):
+                full = self._detokenize(req.output_ids)     # never retired: a failed step
+            text = live.detok.finish(full) if live.detok is not None else full
+            meta = req.meta_info(self._speculative)
+        else:
+            text = live.detok.step(req.output_ids) if live.detok is not None else ""
+            meta = {"id": req.rid, "prompt_tokens": len(req.prompt_ids),
+                    "completion_tokens": len(req.output_ids), "finish_reason": None}
+        return StreamOutput(rid=req.rid, token_ids=ids, text=text, logprobs=lps, meta_info=meta,
+                            finish_reason=req.finish_reason if final else None,
+                            accept_lengths=self._new_accepts(live), time=time.monotonic())
+
+    @staticmethod
+    def _new_accepts(live: _Live) -> list[int]:
+        """Tokens committed by each verify since the last output (from the cumulative histogram)."""
+        hist = live.req.spec_accept_histogram
+        if not hist:
+            return []
+        prev = live.histogram or [0] * len(hist)
+        out = [a + 1 for a, (n, m) in enumerate(zip(hist, prev)) for _ in range(n - m)]
+        live.histogram = list(hist)
+        return out
+
+    def _send(self, live: _Live, out: StreamOutput) -> None:
+        self._outbox.append((live, out))

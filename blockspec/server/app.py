@@ -1,0 +1,286 @@
+"""The FastAPI app: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, sglang's
+/generate and /abort_request, /health and /metrics. Routes validate (validate.py), submit to the
+engine through EngineClient (client.py) and shape its outputs into responses (protocol.py);
+they never touch tensors."""
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from blockspec.engine.loop import StreamOutput
+from blockspec.server import errors
+from blockspec.server.client import ClientGone, EngineClient, Group, ServerShuttingDown
+from blockspec.server.errors import APIError, error_body
+from blockspec.server.metrics import CONTENT_TYPE, Metrics
+from blockspec.server.middleware import Guard
+from blockspec.server.protocol import (DONE, AbortRequest, ChatCompletionRequest,
+                                       CompletionRequest, GenerateRequest, finish_reason, now,
+                                       sse, usage)
+from blockspec.server.validate import Prepared, chat_inputs, completion_inputs, generate_inputs
+
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/generate",
+                    "/abort_request", "/health", "/metrics"})
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class Choice:
+    """What one engine request has produced so far."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[float, int]] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+    reason: dict | None = None
+
+    def add(self, out: StreamOutput) -> None:
+        self.text += out.text
+        self.ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.meta = out.meta_info
+        self.reason = out.finish_reason or self.reason
+
+
+def _engine_failure(out: StreamOutput, closing: bool) -> APIError | None:
+    """An output that ended in an engine error (not a stop, length limit or abort)."""
+    if out.finish_reason is None or out.finish_reason["type"] != "error":
+        return None
+    if closing or out.finish_reason.get("closed"):
+        return APIError(503, f"the server is shutting down: {out.finish_reason['message']}",
+                        code="shutting_down")
+    return APIError(500, out.finish_reason["message"], code="engine_error")
+
+
+def create_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
+               max_queued_requests: int | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """An app serving ``engine``; it does not own it (whoever made the engine shuts it down)."""
+    metrics = Metrics(verify_width=engine.verify_width)
+    client = EngineClient(engine, metrics, max_queued_requests)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        client.begin_shutdown()          # other ASGI servers: end open streams at shutdown
+
+    app = FastAPI(title="blockspec", version=_version(), lifespan=lifespan)
+    app.state.client = client
+    app.state.metrics = metrics
+    errors.install(app)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics,
+                       routes=ROUTES)
+    speculative = engine.verify_width > 0
+    tokenizer = engine.tokenizer
+
+    def token_str(t: int) -> str:
+        return tokenizer.decode([t]) if tokenizer is not None else f"token_id:{t}"
+
+    def spec_totals(choices: list[Choice]) -> tuple[int, int] | None:
+        if not speculative:
+            return None
+        verifies = sum(c.meta.get("spec_verify_ct", 0) for c in choices)
+        committed = sum((a + 1) * n for c in choices
+                        for a, n in enumerate(c.meta.get("spec_accept_histogram", [])))
+        return verifies, committed
+
+    def usage_of(choices: list[Choice], n: int) -> dict:
+        prompt = sum(c.meta.get("prompt_tokens", 0) for c in choices[::n])    # once per prompt
+        completion = sum(len(c.ids) for c in choices)
+        return usage(prompt, completion, spec_totals(choices))
+
+    def usage_tail(base: dict, n: int, wanted: bool) -> Callable[[list[Choice]], list[dict]]:
+        """stream_options.include_usage: one last chunk with no choices and the usage."""
+        return lambda choices: [{**base, "choices": [], "usage": usage_of(choices, n)}] if wanted else []
+
+    # ---- shared streaming / collecting ------------------------------------------------------------
+    async def collect(group: Group, request: Request) -> list[Choice]:
+        choices = [Choice() for _ in group.rids]
+        try:
+            async for i, out in group.outputs(request.is_disconnected):
+                failure = _engine_failure(out, client.closing is not None)
+                if failure is not None:
+                    raise failure
+                choices[i].add(out)
+        except ServerShuttingDown:
+            raise APIError(503, "the server is shutting down", code="shutting_down") from None
+        except ClientGone:
+            raise APIError(499, "the client disconnected") from None
+        finally:
+            group.close()
+        return choices
+
+    async def event_stream(group: Group, render: Callable[[int, StreamOutput, Choice], list[dict]],
+                           head: list[dict], tail: Callable[[list[Choice]], list[dict]],
+                           ) -> AsyncIterator[str]:
+        """SSE for one group: ``head`` chunks, rendered outputs, ``tail`` chunks, [DONE]. An
+        engine failure or a shutdown ends the stream with an error event, then [DONE]."""
+        choices = [Choice() for _ in group.rids]
+        try:
+            for chunk in head:
+                yield sse(chunk)
+            async for i, out in group.outputs():
+                failure = _engine_failure(out, client.closing is not None)
+                if failure is not None:
+                    yield sse(failure.body())
+                    yield DONE
+                    return
+                choices[i].add(out)
+                for chunk in render(i, out, choices[i]):
+                    yield sse(chunk)
+            for chunk in tail(choices):
+                yield sse(chunk)
+            yield DONE
+        except ServerShuttingDown:
+            yield sse(error_body(503, "the server is shutting down; the request was stopped",
+                                 code="shutting_down"))
+            yield DONE
+        finally:
+            group.close()
+
+    def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def submit(prep: Prepared, base_id: str, stream: bool) -> Group:
+        return client.submit(prep.items, base_id=base_id, return_logprob=prep.return_logprob,
+                             stream=stream)
+
+    # ---- OpenAI -------------------------------------------------------------------------------------
+    def completion_logprobs(lps: list[tuple[float, int]], start: int) -> dict:
+        tokens = [token_str(t) for _, t in lps]
+        offsets, at = [], start
+        for s in tokens:
+            offsets.append(at)
+            at += len(s)
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
+                "top_logprobs": None, "text_offset": offsets}
+
+    def chat_logprobs(lps: list[tuple[float, int]]) -> dict:
+        content = []
+        for lp, t in lps:
+            s = token_str(t)
+            content.append({"token": s, "logprob": lp, "top_logprobs": [],
+                            "bytes": None if "\ufffd" in s else list(s.encode())})
+        return {"content": content}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prep = completion_inputs(body, engine, served_model_name)
+        cid = body.rid or f"cmpl-{uuid.uuid4().hex}"
+        group = submit(prep, cid, body.stream)
+        created = now()
+        base = {"id": cid, "object": "text_completion", "created": created, "model": served_model_name}
+        want_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            offsets = [0] * len(group.rids)
+
+            def render(i: int, out: StreamOutput, c: Choice) -> list[dict]:
+                if not (out.text or out.finished or (prep.return_logprob and out.logprobs)):
+                    return []
+                lp = None
+                if prep.return_logprob:
+                    lp = completion_logprobs(out.logprobs, offsets[i])
+                    offsets[i] += sum(len(s) for s in lp["tokens"])
+                choice = {"index": i, "text": out.text, "logprobs": lp,
+                          "finish_reason": finish_reason(out.finish_reason)}
+                return [{**base, "choices": [choice], **({"usage": None} if want_usage else {})}]
+
+            return sse_response(event_stream(group, render, [],
+                                             usage_tail(base, prep.n, want_usage)))
+        choices = await collect(group, request)
+        return JSONResponse({**base, "choices": [
+            {"index": i, "text": c.text, "finish_reason": finish_reason(c.reason),
+             "logprobs": completion_logprobs(c.logprobs, 0) if prep.return_logprob else None}
+            for i, c in enumerate(choices)], "usage": usage_of(choices, prep.n)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        prep = chat_inputs(body, engine, served_model_name)
+        cid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
+        group = submit(prep, cid, body.stream)
+        base = {"id": cid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
+                "created": now(), "model": served_model_name}
+        want_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            extra = {"usage": None} if want_usage else {}
+            head = [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}], **extra}
+                    for i in range(len(group.rids))]
+
+            def render(i: int, out: StreamOutput, c: Choice) -> list[dict]:
+                if not (out.text or out.finished or (prep.return_logprob and out.logprobs)):
+                    return []
+                delta = {"content": out.text} if out.text else {}
+                choice = {"index": i, "delta": delta,
+                          "logprobs": chat_logprobs(out.logprobs) if prep.return_logprob else None,
+                          "finish_reason": finish_reason(out.finish_reason)}
+                return [{**base, "choices": [choice], **extra}]
+
+            return sse_response(event_stream(group, render, head,
+                                             usage_tail(base, prep.n, want_usage)))
+        choices = await collect(group, request)
+        return JSONResponse({**base, "choices": [
+            {"index": i, "message": {"role": "assistant", "content": c.text},
+             "logprobs": chat_logprobs(c.logprobs) if prep.return_logprob else None,
+             "finish_reason": finish_reason(c.reason)}
+            for i, c in enumerate(choices)], "usage": usage_of(choices, prep.n)})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model",
+                                            "created": now(), "owned_by": "blockspec",
+                                            "max_model_len": engine.context_length}]}
+
+    # ---- sglang native --------------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        single, items, rids = generate_inputs(body, engine)
+        base_id = rids[0] if rids and single else f"gen-{uuid.uuid4().hex}"
+        group = client.submit(items, base_id=base_id, return_logprob=body.return_logprob,
+                              stream=body.stream, rids=rids)
+
+        if body.stream:      # sglang's shape: cumulative text and ids in every chunk
+            def render(i: int, out: StreamOutput, c: Choice) -> list[dict]:
+                chunk = {"text": c.text, "output_ids": list(c.ids), "meta_info": out.meta_info}
+                return [chunk if single else {**chunk, "index": i}]
+
+            return sse_response(event_stream(group, render, [], lambda _: []))
+        choices = await collect(group, request)
+        results = [{"text": c.text, "output_ids": c.ids, "meta_info": c.meta} for c in choices]
+        return JSONResponse(results[0] if single else results)
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest) -> dict:
+        if body.rid is None and not body.abort_all:
+            raise APIError(400, "give rid or abort_all=true", param="rid")
+        hits = await client.abort(body.rid, abort_all=body.abort_all)
+        if not hits and not body.abort_all:
+            raise APIError(404, f"no running request has id {body.rid!r}", param="rid",
+                           code="request_not_found")
+        return {"aborted": hits}
+
+    # ---- operations ---------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if client.closing is not None or not engine.stats().alive:
+            return JSONResponse(error_body(503, "the server is shutting down" if client.closing
+                                           else "the engine loop is not running"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(engine.stats()), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _version() -> str:
+    from blockspec import __version__
+
+    return __version__

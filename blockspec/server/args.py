@@ -1,0 +1,64 @@
+"""``blockspec serve`` flags: every EngineArgs flag plus the server's own (ServerArgs). Kept free
+of heavy imports so ``blockspec --help`` stays fast; the server loads only when it runs."""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+
+def _arg(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ServerArgs:
+    host: str = _arg("127.0.0.1", "address to bind; 127.0.0.1 serves this machine only, 0.0.0.0 "
+                                  "every interface")
+    port: int = _arg(30000, "TCP port; 0 picks a free one (the address is printed at start)")
+    api_key: str | None = _arg(None, "require 'Authorization: Bearer KEY' on every route except "
+                                     "/health and /metrics; unset: no key")
+    served_model_name: str | None = _arg(None, "model name in /v1/models and in responses; "
+                                               "unset: the model folder's name")
+    max_queued_requests: int | None = _arg(None, "answer 429 once this many requests wait for "
+                                                 "cache; unset: no limit")
+    max_request_bytes: int = _arg(32 * 1024 * 1024, "largest request body; larger ones get 413")
+    graceful_shutdown_timeout: float = _arg(10.0, "seconds responses get to finish after "
+                                                  "SIGINT/SIGTERM (streams end at once with an "
+                                                  "error event)")
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
+        for name in ("max_queued_requests", "max_request_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError("--graceful-shutdown-timeout must be >= 0, "
+                             f"got {self.graceful_shutdown_timeout}")
+
+
+def add_serve_parser(sub: Any, engine_flags: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add ``serve`` to the CLI's subparsers; ``engine_flags`` adds the EngineArgs flags."""
+    from blockspec.cli import _HelpFormatter
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=_HelpFormatter,
+                       description="Serve the model over HTTP: /v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /generate, /abort_request, "
+                                   "/health, /metrics. Stops gracefully on SIGINT/SIGTERM.")
+    engine_flags(p)
+    for f in fields(ServerArgs):
+        kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
+        default = f.default if f.default is not MISSING else None
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
+                       help=f.metadata["help"])
+
+
+def server_args(ns: argparse.Namespace) -> ServerArgs:
+    args = ServerArgs(**{f.name: getattr(ns, f.name) for f in fields(ServerArgs)})
+    args.validate()
+    return args

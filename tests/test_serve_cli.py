@@ -1,0 +1,111 @@
+"""``blockspec serve`` as a process: its flags, graceful shutdown on SIGTERM/SIGINT (a running
+stream ends with an error event, the process exits 0, nothing hangs) and a busy port."""
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from blockspec.cli import build_parser as _parser  # noqa: E402
+from blockspec.demo import write_demo_model  # noqa: E402
+
+
+def test_serve_flags_and_defaults():
+    ns = _parser().parse_args(["serve"])
+    assert (ns.host, ns.port, ns.api_key, ns.served_model_name) == ("127.0.0.1", 30000, None, None)
+    assert ns.model_path is None                      # unset: the embedded demo model
+    ns = _parser().parse_args([
+        "serve", "--model-path", "P", "--speculative-algorithm", "DFLASH",
+        "--speculative-draft-model-path", "D", "--host", "0.0.0.0", "--port", "1234",
+        "--api-key", "K", "--max-running-requests", "8", "--max-total-tokens", "4096",
+        "--served-model-name", "N", "--max-queued-requests", "5"])
+    assert (ns.model_path, ns.speculative_algorithm, ns.speculative_draft_model_path) == ("P", "DFLASH", "D")
+    assert (ns.host, ns.port, ns.api_key, ns.served_model_name) == ("0.0.0.0", 1234, "K", "N")
+    assert (ns.max_running_requests, ns.max_total_tokens, ns.max_queued_requests) == (8, 4096, 5)
+
+
+class _Proc:
+    """A ``blockspec serve`` subprocess whose stderr is read on a thread."""
+
+    def __init__(self, *args: str) -> None:
+        self.p = subprocess.Popen([sys.executable, "-m", "blockspec.cli", "serve", *args],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.err: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.p.stderr:
+            self.err.append(line)
+            self.lines.put(line)
+
+    def url(self, timeout: float = 120.0) -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                assert self.p.poll() is None, "".join(self.err)
+                continue
+            if " on http://" in line:
+                return line.split(" on ")[1].split()[0]
+        raise AssertionError("server did not start: " + "".join(self.err))
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait(10)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_demo_model(tmp_path_factory.mktemp("serve_cli") / "demo")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_graceful_shutdown_ends_streams_with_an_error_event(folder, sig):
+    proc = _Proc("--model-path", str(folder), "--device", "cpu", "--port", "0",
+                 "--max-total-tokens", "8192")
+    try:
+        url = proc.url()
+        assert url.startswith("http://127.0.0.1:")
+        body = {"prompt": "a long one", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            lines = r.iter_lines()
+            first = [next(lines) for _ in range(6)]
+            assert all(json.loads(x[6:])["choices"] for x in first if x.startswith("data: "))
+            t0 = time.monotonic()
+            proc.p.send_signal(sig)
+            rest = [x for x in lines if x.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        err = json.loads(rest[-2][6:])["error"]
+        assert err["code"] == "shutting_down" and "shutting down" in err["message"]
+        assert proc.p.wait(30) == 0
+        assert time.monotonic() - t0 < 30
+        assert f"stopped ({sig.name})" in "".join(proc.err)
+        assert "Traceback" not in "".join(proc.err)
+    finally:
+        proc.kill()
+
+
+def test_busy_port_is_one_line_error(folder):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "blockspec.cli", "serve", "--model-path", str(folder),
+                            "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], r.stderr
