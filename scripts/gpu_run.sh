@@ -1,44 +1,34 @@
 #!/usr/bin/env bash
-# GPU runs recorded in docs/benchmarks.md. Usage: scripts/gpu_run.sh tests|engine  (logs to $OUT)
+# GPU runs recorded in docs/benchmarks.md. Usage: scripts/gpu_run.sh STAGE... (logs to $OUT)
+#   tests   GPU test files (runtime, engine, kernels)
+#   mini    lightning-mini benches: AR / DFlash / DSpark, bf16 and quantized, graphs vs eager
+#   full    full Nemotron 3.5 Lightning preset: bf16 and quantized, batch 1,4,16,64, transformers
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-case "${1:-tests}" in
+B="python3 -m blockspec.cli bench --device cuda --out $OUT/bench.jsonl"
+for stage in "$@"; do
+case "$stage" in
 tests)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-  python3 -m pytest -m gpu tests/test_triton_w4a16.py tests/test_moe_grouped.py tests/test_gpu_engine.py \
-      -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/gpu_tests.log"
-  timeout 420 python3 -m blockspec.bench.w4a16 --out "$OUT/w4a16.json" 2>&1 | tee "$OUT/w4a16.log"
+  timeout 250 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_engine.py \
+      tests/test_moe_grouped.py tests/test_triton_w4a16.py -q -p no:cacheprovider -o addopts="" -rs -x \
+      2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
   ;;
-engine)
-  M=/tmp/lm; B="python3 -m blockspec.cli bench --device cuda --dtype bfloat16 --input-len 128 --output-len 64 --out $OUT/engine.jsonl"
-  python3 -c "from blockspec.bench.engine_bench import write_random_model as w; from pathlib import Path; w('lightning-mini', Path('$M'))"
-  $B --model-path $M/lightning-mini
-  $B --model-path $M/lightning-mini --batch-size 8
-  $B --model-path $M/lightning-mini --random-draft dflash --speculative-num-draft-tokens 4
-  $B --model-path $M/lightning-mini --random-draft dspark --speculative-num-draft-tokens 4
-  python3 -m blockspec.cli quantize --model-path $M/lightning-mini --output $M/lightning-mini-mixed \
-      --quant-algo MIXED_PRECISION --recipe lightning
-  $B --model-path $M/lightning-mini-mixed
-  $B --model-path $M/lightning-mini-mixed --batch-size 8
-  $B --model-path $M/lightning-mini-mixed --random-draft dflash --speculative-num-draft-tokens 4
-  cat "$OUT/engine.jsonl"
+mini)
+  timeout 75 $B --preset lightning-mini --batch-size 1,8 --compare-eager 2>>"$OUT/stderr.log"
+  timeout 75 $B --preset lightning-mini --quantized --batch-size 1 --compare-eager 2>>"$OUT/stderr.log"
+  timeout 75 $B --preset lightning-mini --random-draft dflash --speculative-num-draft-tokens 4 \
+      --batch-size 1 --compare-eager 2>>"$OUT/stderr.log"
+  timeout 75 $B --preset lightning-mini --random-draft dspark --speculative-num-draft-tokens 4 \
+      --batch-size 1 --compare-eager 2>>"$OUT/stderr.log"
   ;;
-final)
-  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-  timeout 300 python3 -m pytest -m gpu tests/ -q -p no:cacheprovider -o addopts="" -x 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
-  M=/tmp/lm; B="python3 -m blockspec.cli bench --device cuda --dtype bfloat16 --input-len 128 --output-len 64 --out $OUT/engine.jsonl"
-  python3 -c "from blockspec.bench.engine_bench import write_random_model as w; from pathlib import Path; w('lightning-mini', Path('$M'))"
-  python3 -m blockspec.cli quantize --model-path $M/lightning-mini --output $M/lightning-mini-mixed \
-      --quant-algo MIXED_PRECISION --recipe lightning
-  $B --model-path $M/lightning-mini-mixed 2>>"$OUT/stderr.log"
-  $B --model-path $M/lightning-mini-mixed --batch-size 8 2>>"$OUT/stderr.log"
-  $B --model-path $M/lightning-mini-mixed --random-draft dflash --speculative-num-draft-tokens 4 2>>"$OUT/stderr.log"
-  $B --model-path $M/lightning-mini-mixed --random-draft dspark --speculative-num-draft-tokens 4 2>>"$OUT/stderr.log"
-  $B --model-path $M/lightning-mini --random-draft dflash --speculative-num-draft-tokens 4 2>>"$OUT/stderr.log"
-  python3 scripts/profile_step.py --model-path $M/lightning-mini-mixed --out "$OUT/profile_ar.txt" 2>>"$OUT/stderr.log"
-  python3 scripts/profile_step.py --model-path $M/lightning-mini-mixed --draft $M/lightning-mini-mixed-dflash-b4 \
-      --out "$OUT/profile_dflash.txt" 2>>"$OUT/stderr.log"
-  tail -8 "$OUT/profile_ar.txt" "$OUT/profile_dflash.txt"
+full)
+  timeout 400 $B --preset nemotron-3.5-lightning --batch-size 1,4,16,64 --output-len 32 \
+      --compare-transformers 2>>"$OUT/stderr.log"
+  timeout 300 $B --preset nemotron-3.5-lightning --quantized --batch-size 1,4,16,64 \
+      --output-len 32 2>>"$OUT/stderr.log"
   ;;
 esac
+done
+tail -5 "$OUT/stderr.log" 2>/dev/null

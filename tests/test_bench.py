@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import argparse
 
-from blockspec.bench.engine_bench import add_arguments, run, step_weight_bytes
+import pytest
+import torch
+
+from blockspec.bench.bench_args import add_arguments
+from blockspec.bench.engine_bench import run, step_weight_bytes
 
 
 def _args(**kw):
@@ -15,10 +19,39 @@ def _args(**kw):
 
 
 def test_bench_reports_consistent_numbers():
-    r = run(_args(device="cpu", input_len=8, output_len=6, batch_size=2, repeats=1))
-    assert r["decode_tok_per_s"] > 0 and r["step_ms"] > 0
-    assert r["achieved_GBps"] * 1e9 * r["step_ms"] / 1e3 == __import__("pytest").approx(
-        r["weight_bytes_per_step"], rel=1e-2)
+    rows = run(_args(device="cpu", input_len=8, output_len=6, batch_size=[2, 1], repeats=1))
+    assert [r["batch_size"] for r in rows] == [2, 1]
+    for r in rows:
+        assert r["decode_tok_per_s"] > 0 and r["step_ms"] > 0 and r["model"] == "random:tiny"
+        assert r["achieved_GBps"] * 1e9 * r["step_ms"] / 1e3 == pytest.approx(
+            r["weight_bytes_per_step"], rel=1e-2)
+        assert r["pct_of_floor"] == pytest.approx(
+            100 * r["floor_step_ms_at_4.8TBps"] / r["step_ms"], rel=2e-2)
+
+
+@pytest.mark.parametrize("kind, tau", [("dflash", 2.6), ("dspark", 3.2)])
+def test_simulated_acceptance_lands_within_ten_percent(kind, tau):
+    """--simulate-accept-length TAU: the measured mean committed length comes out near TAU."""
+    rows = run(_args(device="cpu", input_len=8, output_len=60, batch_size=[2], repeats=1,
+                     random_draft=kind, speculative_num_draft_tokens=4, simulate_accept_length=tau))
+    assert rows[0]["verify_width"] == 4
+    assert rows[0]["accept_length"] == pytest.approx(tau, rel=0.1)
+
+
+def test_simulated_acceptance_needs_a_draft_and_a_reachable_tau():
+    with pytest.raises(ValueError, match="needs a draft"):
+        run(_args(device="cpu", input_len=4, output_len=4, simulate_accept_length=2.0, repeats=1))
+    with pytest.raises(ValueError, match=r"in \[1, 4\]"):
+        run(_args(device="cpu", input_len=4, output_len=4, random_draft="dflash", repeats=1,
+                  speculative_num_draft_tokens=4, simulate_accept_length=5.0))
+
+
+def test_preset_too_big_for_the_cpu_is_refused_with_the_figure(monkeypatch):
+    from blockspec.bench import engine_bench
+
+    monkeypatch.setattr(engine_bench, "_memory_bytes", lambda: 8 << 30)
+    with pytest.raises(ValueError, match=r"lightning-mini needs [0-9.]+ GiB"):
+        run(_args(device="cpu", preset="lightning-mini", repeats=1))
 
 
 def test_expert_bytes_follow_touched_experts(tmp_path):
@@ -32,4 +65,28 @@ def test_expert_bytes_follow_touched_experts(tmp_path):
     # 4 experts, top-2: one token touches half the expert bytes, 64 tokens nearly all; the
     # embedding lookup reads one row per token
     want = expert * (1 - 0.5 ** 64) - expert * 0.5 + 63 * emb_row
-    assert many - one == __import__("pytest").approx(want, rel=1e-6)
+    assert many - one == pytest.approx(want, rel=1e-6)
+
+
+def test_lightning_plan_matches_the_quantize_recipe():
+    """The quantized presets use the formats `quantize --recipe lightning` writes."""
+    from blockspec.bench.presets import LightningPlan
+    from blockspec.quant.config import FP8, W4A16_NVFP4
+
+    plan = LightningPlan()
+    assert plan.format_for("backbone.layers.1.mixer.experts.7.up_proj") == W4A16_NVFP4
+    assert plan.format_for("backbone.layers.1.mixer.shared_experts.down_proj") == W4A16_NVFP4
+    assert plan.format_for("lm_head") == W4A16_NVFP4
+    assert plan.format_for("backbone.layers.0.mixer.in_proj") == FP8
+    assert plan.format_for("backbone.layers.3.mixer.q_proj") is None
+    assert plan.format_for("backbone.layers.1.mixer.gate") is None
+
+
+def test_random_preset_weights_are_finite_and_tame():
+    from blockspec.bench.presets import build_target
+
+    m = build_target("tiny", torch.device("cpu"), torch.float32)
+    for name, t in m.state_dict().items():
+        if t.is_floating_point():
+            assert torch.isfinite(t.float()).all(), name
+            assert t.float().abs().max() < 20, name

@@ -75,9 +75,9 @@ def test_engine_args_carry_their_help_and_registry_choices(monkeypatch):
 
 
 def test_bench_flag_choices_match_the_bench():
-    from blockspec.bench import bench_args, engine_bench
+    from blockspec.bench import bench_args, presets
 
-    assert set(bench_args.RANDOM_CONFIG_NAMES) == set(engine_bench.RANDOM_CONFIGS)
+    assert set(bench_args.PRESET_NAMES) == set(presets.PRESETS)
 
 
 def test_help_version_and_arg_errors_do_not_import_torch():

@@ -30,14 +30,15 @@ def test_cuda_fp32_matches_cpu(demo):
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_cuda_speculative_equals_target_only(demo, kind):
-    from blockspec.bench.engine_bench import write_random_draft
+    from blockspec.bench.presets import build_draft, preset_config
 
-    draft = write_random_draft(kind, Path(demo), 4)
     # fp32: verify (T rows) and decode (1 row) GEMMs round alike enough for exact greedy; in
     # bf16 different GEMM shapes may legitimately flip near-tied argmaxes (as in every engine)
-    ref = Engine(model_path=str(demo), device="cuda", dtype="float32").generate(input_ids=PROMPTS, sampling_params=GREEDY)
-    spec = Engine(model_path=str(demo), device="cuda", dtype="float32", speculative_algorithm=kind.upper(),
-                  speculative_draft_model_path=str(draft)).generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    target = Engine(model_path=str(demo), device="cuda", dtype="float32")
+    ref = target.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    draft = build_draft(kind, preset_config("tiny"), 4 if kind == "dflash" else 3,
+                        torch.device("cuda"), torch.float32)
+    spec = Engine.from_model(target.model, draft=draft).generate(input_ids=PROMPTS, sampling_params=GREEDY)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in ref]
 
 

@@ -65,9 +65,9 @@ def _attn_kernel(Q, K, V, O, PM, PL, PO, BT, SLOTS, SEQ, QST, TILE_REQ, TILE_R0,
     b = tl.load(TILE_REQ + tile)
     r0 = tl.load(TILE_R0 + tile)
     slot = tl.load(SLOTS + b).to(tl.int64)
-    L = tl.load(SEQ + b)
-    qs = tl.load(QST + b)
-    qn = tl.load(QST + b + 1) - qs
+    L = tl.load(SEQ + b).to(tl.int32)
+    qs = tl.load(QST + b).to(tl.int32)
+    qn = tl.load(QST + b + 1).to(tl.int32) - qs
     m = r0 + tl.arange(0, BLOCK_M)
     t = m // G
     head = h * G + m % G

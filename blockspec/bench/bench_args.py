@@ -5,28 +5,55 @@ from __future__ import annotations
 
 import argparse
 
-# Keys of engine_bench.RANDOM_CONFIGS (a test keeps the two in step).
-RANDOM_CONFIG_NAMES = ("lightning-mini", "tiny")
+# Keys of bench.presets.PRESETS (a test keeps the two in step).
+PRESET_NAMES = ("lightning-mini", "nemotron-3.5-lightning", "tiny")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", help="model folder to benchmark; default: a random model "
-                                        "written from --random-config")
-    p.add_argument("--random-config", default="tiny", choices=RANDOM_CONFIG_NAMES,
+                                        "built in memory from --preset (nothing is written)")
+    p.add_argument("--preset", default="tiny", choices=PRESET_NAMES,
                    help="shapes of the random model used without --model-path (tiny = the demo "
-                        "model; lightning-mini = Lightning's layer shapes, 6 layers)")
+                        "model; lightning-mini = Lightning's layer shapes, 6 layers; "
+                        "nemotron-3.5-lightning = the full 52-layer model)")
+    p.add_argument("--quantized", action="store_true",
+                   help="build the preset in Lightning's quantization (W4A16_NVFP4 experts, shared "
+                        "experts and lm_head; FP8 Mamba projections) instead of bf16")
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N; default: auto")
-    p.add_argument("--dtype", help="auto, float32, bfloat16 or float16; default: auto")
+    p.add_argument("--dtype", help="auto, float32, bfloat16 or float16; default: auto (bf16 for "
+                                   "presets)")
     p.add_argument("--random-draft", choices=["dflash", "dspark"],
-                   help="attach a random draft of this kind (measures step cost, not speed-up)")
+                   help="attach a random draft of this kind, built in memory (measures step cost; "
+                        "see --simulate-accept-length for speed-up)")
     p.add_argument("--speculative-algorithm", help="DFLASH or DSPARK with "
                                                    "--speculative-draft-model-path; default: off")
     p.add_argument("--speculative-draft-model-path", help="draft checkpoint folder; default: none")
     p.add_argument("--speculative-num-draft-tokens", type=int,
                    help="verify block width; default: the draft's block_size (4 for --random-draft)")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences decoded together")
+    p.add_argument("--simulate-accept-length", type=float, metavar="TAU",
+                   help="force the mean tokens committed per verify (bonus included) to TAU, as if "
+                        "a trained draft were attached (sglang's simulated acceptance); default: off")
+    p.add_argument("--batch-size", type=_int_list, default=[1], metavar="N[,N...]",
+                   help="sequences decoded together; a list runs each size on the same model")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per sequence")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
-    p.add_argument("--out", help="append the JSON result to this file; default: print only")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run every step eagerly (the reference figure)")
+    p.add_argument("--compare-eager", action="store_true",
+                   help="also time the same build with CUDA graphs off, in the same run")
+    p.add_argument("--compare-transformers", action="store_true",
+                   help="also time transformers' NemotronHForCausalLM on the same shapes and prompts "
+                        "(bf16 only) and report the ratio")
+    p.add_argument("--out", help="append the JSON lines to this file; default: print only")

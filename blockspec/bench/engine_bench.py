@@ -1,110 +1,32 @@
 """End-to-end decode benchmark: tokens/s, per-step time and achieved weight bandwidth.
 
-    blockspec bench [--model-path P | --random-config lightning-mini] [--speculative-algorithm
-        DFLASH --speculative-draft-model-path D] --batch-size 1 --input-len 128 --output-len 128
+    blockspec bench [--model-path P | --preset lightning-mini|nemotron-3.5-lightning|tiny
+        [--quantized]] [--random-draft dflash|dspark [--simulate-accept-length TAU]]
+        --batch-size 1,4,16,64 --input-len 128 --output-len 64 [--compare-eager]
+        [--compare-transformers]
+
+Presets are random models built directly on the device; nothing is written to disk. One JSON
+line per (batch size, graphs on/off) and one for transformers when asked.
 
 Decode time excludes prefill (a max_new_tokens=1 run is timed separately and subtracted).
 Achieved GB/s = weight bytes one step must read / step time, where the bytes are every dense
 parameter plus, per MoE layer, the expected number of distinct experts a step touches under
-uniform routing, D(n) = E (1 - (1 - k/E)^n) with n = batch x verify width (anchors.md §5.2).
-The floor compares against the H200's 4.8 TB/s.
+uniform routing, D(n) = E (1 - (1 - k/E)^n) for n = batch x verify width tokens (each token picks
+k of E experts; an expert is missed by all n with probability (1 - k/E)^n). The floor is those
+bytes at the H200's 4.8 TB/s (NVIDIA's HBM3e figure; a device copy measures about 4.2-4.3 TB/s,
+so 100 % of the floor is out of reach).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from blockspec.bench.bench_args import add_arguments  # noqa: F401  (the CLI's flags)
-
 H200_BW = 4.8e12
-
-RANDOM_CONFIGS = {
-    # Lightning's shapes (hidden 2688, 128 experts top-6, 64x64 Mamba heads, 32/2 GQA, vocab
-    # 131072) with 6 of its 52 layers (M E M * E M), so it is written quickly anywhere.
-    "lightning-mini": {
-        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
-        "hybrid_override_pattern": "MEM*EM", "vocab_size": 131072, "hidden_size": 2688,
-        "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
-        "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
-        "conv_kernel": 4, "chunk_size": 128, "n_routed_experts": 128, "num_experts_per_tok": 6,
-        "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712,
-        "intermediate_size": 1856, "routed_scaling_factor": 2.5, "eos_token_id": 2,
-        "dtype": "bfloat16",
-    },
-    "tiny": None,   # the demo model
-}
-
-
-def write_random_model(name: str, root: Path) -> Path:
-    from safetensors.torch import save_file
-
-    from blockspec.demo import random_state, write_demo_model
-    from blockspec.models.nemotron_h import NemotronHForCausalLM
-    from blockspec.models.nemotron_h_config import NemotronHConfig
-
-    folder = root / name
-    if RANDOM_CONFIGS[name] is None:
-        return write_demo_model(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = NemotronHConfig.from_dict(RANDOM_CONFIGS[name])
-    with torch.device("meta"):
-        shapes = NemotronHForCausalLM(cfg, dtype=torch.bfloat16)
-    state = random_state(_Materialized(shapes), seed=0)
-    save_file(state, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(RANDOM_CONFIGS[name]))
-    return folder
-
-
-def write_random_draft(kind: str, target_folder: Path, block_size: int) -> Path:
-    """A random DFlash/DSpark draft for a target folder (acceptance will be near 1: this measures
-    the per-step cost of drafting + verifying, not a trained draft's speed-up)."""
-    from safetensors.torch import save_file
-
-    from blockspec.models.dflash import build_draft_model
-    from blockspec.models.draft_config import parse_draft_config
-
-    t = json.loads((target_folder / "config.json").read_text())
-    n_layers = len(t.get("hybrid_override_pattern") or t.get("layers_block_type"))
-    hidden, vocab = t["hidden_size"], t["vocab_size"]
-    head_dim = 128 if hidden >= 1024 else 16
-    heads = max(2 ** int(math.log2(max(hidden // head_dim, 1))), 2)     # power of two: GQA-friendly
-    cfg = {"architectures": ["DFlashDraftModel" if kind == "dflash" else "Qwen3DSparkModel"],
-           "model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": 2,
-           "num_attention_heads": heads, "num_key_value_heads": max(heads // 4, 1),
-           "head_dim": head_dim, "intermediate_size": 2 * hidden, "vocab_size": vocab,
-           "rms_norm_eps": 1e-6, "rope_theta": 1e6, "block_size": block_size,
-           "num_target_layers": n_layers,
-           "dflash_config": {"mask_token_id": vocab - 1}}
-    if kind == "dspark":
-        cfg.update(markov_rank=64, markov_head_type="vanilla")
-    folder = target_folder.parent / f"{target_folder.name}-{kind}-b{block_size}"
-    folder.mkdir(parents=True, exist_ok=True)
-    model = build_draft_model(parse_draft_config(cfg), None, torch.float32)
-    model.init_random_(std=0.02, generator=torch.Generator().manual_seed(1))
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()},
-              str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
-
-
-class _Materialized:
-    """state_dict() of a meta model as real (empty CPU) tensors, for random_state."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        # bf16 placeholders keep the random state at half the size; SSM parameters stay fp32
-        fp32 = ("A_log", ".D", "dt_bias", "e_score_correction_bias")
-        return {k: torch.empty(v.shape, dtype=torch.float32 if k.endswith(fp32) else torch.bfloat16)
-                for k, v in self.model.state_dict().items()}
 
 
 def step_weight_bytes(model: torch.nn.Module, tokens_per_step: int) -> float:
@@ -128,24 +50,55 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(args: argparse.Namespace) -> dict:
-    from blockspec.engine import Engine
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
-    model_path = args.model_path
-    if model_path is None:
-        model_path = str(write_random_model(args.random_config, Path(tempfile.mkdtemp())))
+
+def build_engine(args: argparse.Namespace, max_bs: int):
+    """The engine under test: a folder, or a preset built on the device (+ a random draft)."""
+    from blockspec.engine import Engine
+    from blockspec.engine.engine import resolve_device
+
+    cache = max_bs * (args.input_len + args.output_len + 64)
+    common = dict(max_running_requests=max_bs, max_total_tokens=cache,
+                  cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph)
+    if args.model_path is not None:
+        kw = {k: getattr(args, k) for k in ("device", "dtype", "speculative_algorithm",
+                                             "speculative_draft_model_path",
+                                             "speculative_num_draft_tokens") if getattr(args, k) is not None}
+        if args.random_draft:
+            raise ValueError("--random-draft builds a draft for a --preset target; with --model-path "
+                             "give --speculative-draft-model-path")
+        return Engine(model_path=args.model_path, **common, **kw), args.model_path
+    from blockspec.bench import presets
+    from blockspec.checkpoint import DTYPES
+
+    device = resolve_device(args.device or "auto")
+    dtype = DTYPES[args.dtype] if args.dtype not in (None, "auto") else torch.bfloat16
+    cfg = presets.preset_config(args.preset)
+    need = presets.weight_bytes(cfg, dtype, args.quantized)
+    if device.type == "cpu" and need > 0.6 * _memory_bytes():
+        raise ValueError(f"preset {args.preset} needs {need / 2**30:.1f} GiB of weights in "
+                         f"{str(dtype).split('.')[-1]}, more than this machine's memory allows "
+                         f"({_memory_bytes() / 2**30:.1f} GiB); run it on a GPU")
+    model = presets.build_target(args.preset, device, dtype, args.quantized)
+    draft = None
     if args.random_draft:
-        args.speculative_algorithm = args.random_draft.upper()
-        args.speculative_draft_model_path = str(write_random_draft(
-            args.random_draft, Path(model_path), args.speculative_num_draft_tokens or 4))
-    kw = {k: getattr(args, k) for k in ("device", "dtype", "speculative_algorithm",
-                                         "speculative_draft_model_path",
-                                         "speculative_num_draft_tokens") if getattr(args, k) is not None}
-    engine = Engine(model_path=model_path, max_running_requests=max(args.batch_size, 1),
-                    max_total_tokens=args.batch_size * (args.input_len + args.output_len + 64), **kw)
-    g = torch.Generator().manual_seed(0)
+        width = args.speculative_num_draft_tokens or 4
+        block = width if args.random_draft == "dflash" else width - 1
+        draft = presets.build_draft(args.random_draft, cfg, block, device, dtype)
+    label = f"random:{args.preset}" + (":lightning-quant" if args.quantized else "")
+    return Engine.from_model(model, draft=draft, **common), label
+
+
+def measure(engine, batch: int, args: argparse.Namespace) -> dict:
+    """Median decode time of ``repeats`` runs of ``batch`` random prompts (prefill subtracted)."""
+    g = torch.Generator().manual_seed(batch)
     vocab = engine.config.vocab_size
-    prompts = [torch.randint(3, vocab, (args.input_len,), generator=g).tolist() for _ in range(args.batch_size)]
+    prompts = [torch.randint(3, vocab, (args.input_len,), generator=g).tolist() for _ in range(batch)]
     sp = {"max_new_tokens": args.output_len, "temperature": args.temperature, "ignore_eos": True}
 
     def timed(params: dict) -> tuple[float, list[dict]]:
@@ -155,44 +108,129 @@ def run(args: argparse.Namespace) -> dict:
         _sync(engine.device)
         return time.perf_counter() - t0, outs
 
-    timed(sp)                                             # warm-up (allocations, kernels)
+    timed(sp)                                              # warm-up: allocations, graph capture
     prefill = statistics.median(timed({**sp, "max_new_tokens": 1})[0] for _ in range(args.repeats))
     runs = [timed(sp) for _ in range(args.repeats)]
     total = statistics.median(r[0] for r in runs)
     outs = runs[0][1]
     decode = max(total - prefill, 1e-9)
     new_tokens = sum(len(o["output_ids"]) for o in outs) - len(outs)     # first token is prefill's
-    spec = engine.drafter is not None
-    if spec:
+    if engine.drafter is not None:
         steps = max(o["meta_info"]["spec_verify_ct"] for o in outs)
-        width = engine.drafter.gamma + 1
+        width = engine.drafter.width
         tau = statistics.mean(o["meta_info"]["spec_accept_length"] for o in outs)
     else:
         steps, width, tau = args.output_len - 1, 1, 1.0
     step_s = decode / max(steps, 1)
-    weight_bytes = step_weight_bytes(engine.model, args.batch_size * width)
-    result = {
-        "model": model_path if args.model_path else f"random:{args.random_config}",
-        "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
-        "dtype": str(engine.dtype), "batch_size": args.batch_size, "input_len": args.input_len,
-        "output_len": args.output_len, "speculative": args.speculative_algorithm,
-        "verify_width": width, "accept_length": round(tau, 3),
+    wbytes = step_weight_bytes(engine.model, batch * width)
+    floor_s = wbytes / H200_BW
+    return {
+        "batch_size": batch, "verify_width": width, "accept_length": round(tau, 3),
         "prefill_s": round(prefill, 4), "decode_s": round(decode, 4),
         "decode_tok_per_s": round(new_tokens / decode, 2),
-        "tok_per_s_per_seq": round(new_tokens / decode / args.batch_size, 2),
-        "step_ms": float(f"{step_s * 1e3:.4g}"), "weight_bytes_per_step": int(weight_bytes),
-        "achieved_GBps": float(f"{weight_bytes / step_s / 1e9:.4g}"),
-        "floor_step_ms_at_4.8TBps": float(f"{weight_bytes / H200_BW * 1e3:.4g}"),
+        "tok_per_s_per_seq": round(new_tokens / decode / batch, 2),
+        "step_ms": float(f"{step_s * 1e3:.4g}"), "weight_bytes_per_step": int(wbytes),
+        "achieved_GBps": float(f"{wbytes / step_s / 1e9:.4g}"),
+        "floor_step_ms_at_4.8TBps": float(f"{floor_s * 1e3:.4g}"),
+        "pct_of_floor": float(f"{100 * floor_s / step_s:.3g}"),
     }
+
+
+def transformers_decode(model_path: str | None, preset_cfg: dict | None, device: torch.device,
+                        batch: int, args: argparse.Namespace, new_tokens: int) -> dict:
+    """transformers' NemotronHForCausalLM on the same shapes and prompts: greedy ``generate``,
+    timed the same way (prefill-only run subtracted). Its weights are its own random init for a
+    preset (timing does not depend on the values), the folder's weights otherwise."""
+    import transformers
+
+    if model_path is not None:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(device)
+    else:
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        cfg = dict(preset_cfg)
+        pattern = cfg.pop("hybrid_override_pattern")
+        names = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+        cfg = NemotronHConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "dtype")},
+                              layers_block_type=[names[c] for c in pattern])
+        with torch.device(device):
+            hf = NemotronHForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    hf.eval()
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(3, hf.config.vocab_size, (batch, args.input_len), generator=g).to(device)
+
+    def timed(n: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    timed(2)
+    prefill = timed(1)
+    total = timed(new_tokens)
+    step_s = max(total - prefill, 1e-9) / max(new_tokens - 1, 1)
+    del hf
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return {"engine": f"transformers {transformers.__version__}", "batch_size": batch,
+            "new_tokens": new_tokens, "step_ms": float(f"{step_s * 1e3:.4g}"),
+            "decode_tok_per_s": round(batch / step_s, 2)}
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    batches = args.batch_size if isinstance(args.batch_size, list) else [args.batch_size]
+    engine, label = build_engine(args, max(batches))
+    if args.simulate_accept_length is not None:
+        if engine.drafter is None:
+            raise ValueError("--simulate-accept-length needs a draft (--random-draft or "
+                             "--speculative-draft-model-path)")
+        if not 1.0 <= args.simulate_accept_length <= engine.drafter.width:
+            raise ValueError(f"--simulate-accept-length must be in [1, {engine.drafter.width}] "
+                             f"(the verify width), got {args.simulate_accept_length}")
+        engine.drafter.simulate_accept_length = args.simulate_accept_length
+    base = {
+        "model": label, "device": torch.cuda.get_device_name(engine.device)
+        if engine.device.type == "cuda" else "cpu", "dtype": str(engine.dtype).split(".")[-1],
+        "input_len": args.input_len, "output_len": args.output_len,
+        "speculative": type(engine.drafter.draft).__name__ if engine.drafter else None,
+        "simulated_accept_length": args.simulate_accept_length,
+        "attention_backend": engine.backends.decode,
+    }
+    results = []
+    graphs = engine.runner.graphs
+    for batch in batches:
+        modes = [graphs is not None]
+        if args.compare_eager and graphs is not None:
+            modes.append(False)
+        for use_graph in modes:
+            engine.runner.graphs = graphs if use_graph else None
+            results.append({**base, "cuda_graph": use_graph, **measure(engine, batch, args)})
+            print(json.dumps(results[-1]), flush=True)
+        engine.runner.graphs = graphs
+    from blockspec.bench.presets import preset_config
+
+    cfg_dict = None if args.model_path else preset_config(args.preset)
+    device, dtype = engine.device, engine.dtype
     engine.shutdown()
-    return result
+    del engine
+    if args.compare_transformers:
+        if dtype != torch.bfloat16 or args.quantized:
+            raise ValueError("--compare-transformers compares the bf16 model")
+        for batch in batches[:1]:
+            hf = {**base, **transformers_decode(args.model_path, cfg_dict, device, batch, args,
+                                                min(args.output_len, 16))}
+            ours = next(r for r in results if r["batch_size"] == batch and r["cuda_graph"] == (graphs is not None))
+            hf["blockspec_speedup"] = round(hf["step_ms"] / ours["step_ms"] * ours["accept_length"], 2)
+            results.append(hf)
+            print(json.dumps(hf), flush=True)
+    return results
 
 
 def main(args: argparse.Namespace) -> int:
-    result = run(args)
-    line = json.dumps(result)
-    print(line)
+    results = run(args)
     if args.out:
         with open(args.out, "a") as f:
-            f.write(line + "\n")
+            for r in results:
+                f.write(json.dumps(r) + "\n")
     return 0

@@ -20,6 +20,7 @@ from blockspec.engine.memory import CacheLayout, MemoryManager
 from blockspec.engine.request import Request
 from blockspec.engine.scheduler import Scheduler
 from blockspec.models.loader import load_target
+from blockspec.models.nemotron_h import NemotronHForCausalLM
 from blockspec.models.nemotron_h_config import NemotronHConfig
 from blockspec.runtime.model_runner import ModelRunner, RunnerOptions
 from blockspec.sampling import SamplingParams
@@ -75,42 +76,67 @@ class Engine:
 
             args.model_path = str(ensure_demo_model())
         self.device = resolve_device(args.device)
+        raw = read_config(args.model_path)
+        self.dtype = resolve_dtype(args.dtype, raw, self.device)
+        model, config = load_target(args.model_path, self.dtype, self.device)
+        tok_dir = Path(args.tokenizer_path or args.model_path)
+        tokenizer = Tokenizer(tok_dir) if Tokenizer.exists(tok_dir) else None
+        self._assemble(model, config, tokenizer, draft=None)
+
+    @classmethod
+    def from_model(cls, model: NemotronHForCausalLM, *, draft: Any = None,
+                   tokenizer: Tokenizer | None = None, **kwargs: Any) -> "Engine":
+        """An Engine around a target (and draft) already in memory, on its device and dtype.
+        Benchmarks build random full-size models directly on the GPU this way, without
+        writing a checkpoint. ``kwargs`` are EngineArgs fields (no paths)."""
+        self = cls.__new__(cls)
+        self.args = args = EngineArgs.from_kwargs(**kwargs)
+        logging.basicConfig(level=args.log_level.upper(), format="[blockspec] %(message)s")
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, model.backbone.norm_f.weight.dtype
+        self._assemble(model, model.cfg, tokenizer, draft=draft)
+        return self
+
+    def _assemble(self, model: NemotronHForCausalLM, config: NemotronHConfig,
+                  tokenizer: Tokenizer | None, draft: Any) -> None:
+        """Caches, runner, drafter, scheduler and the engine loop around a loaded target."""
+        args = self.args
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        speculative = args.speculative_algorithm or (draft.config.algorithm.upper() if draft else None)
         self.backends = resolve_attention_backends(
             device_info(self.device), attention_backend=args.attention_backend,
             prefill_attention_backend=args.prefill_attention_backend,
             decode_attention_backend=args.decode_attention_backend,
             speculative_draft_attention_backend=args.speculative_draft_attention_backend,
-            speculative_algorithm=args.speculative_algorithm, available=available_modules())
-        raw = read_config(args.model_path)
-        self.dtype = resolve_dtype(args.dtype, raw, self.device)
-        self.model, self.config = load_target(args.model_path, self.dtype, self.device)
-        tok_dir = Path(args.tokenizer_path or args.model_path)
-        self.tokenizer = Tokenizer(tok_dir) if Tokenizer.exists(tok_dir) else None
+            speculative_algorithm=speculative, available=available_modules())
         self.memory = MemoryManager(
-            cache_layout(self.config), max_total_tokens=args.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS,
+            cache_layout(config), max_total_tokens=args.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS,
             max_requests=args.max_running_requests, page_size=args.page_size, dtype=self.dtype,
             device=self.device)
-        self.runner = ModelRunner(self.model, self.memory, self.backends, RunnerOptions(
+        self.runner = ModelRunner(model, self.memory, self.backends, RunnerOptions(
             max_batch_size=args.max_running_requests, use_cuda_graph=not args.disable_cuda_graph,
             cuda_graph_max_bs=args.cuda_graph_max_bs))
         self.drafter = None
-        if args.speculative_algorithm:
+        if draft is not None:
+            from blockspec.speculative.worker import SpecWorker
+
+            self.drafter = SpecWorker(draft, self.runner, self.backends.draft, self.dtype)
+        elif args.speculative_algorithm:
             from blockspec.speculative.worker import build_spec_worker
 
             self.drafter = build_spec_worker(args, self.runner, self.backends.draft, self.dtype,
                                              self.device)
-        eos = list(self.config.eos_token_id)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.append(self.tokenizer.eos_token_id)
+        eos = list(config.eos_token_id)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        detok = tokenizer.decode if tokenizer else None
         self.scheduler = Scheduler(
             self.runner, self.memory, eos_token_ids=eos, chunked_prefill_size=args.chunked_prefill_size,
-            detokenize=self.tokenizer.decode if self.tokenizer else None,
-            drafter=self.drafter, seed=args.random_seed)
+            detokenize=detok, drafter=self.drafter, seed=args.random_seed)
         # The loop thread never refers back to the Engine, so an Engine dropped without
         # shutdown() is collected and its finalizer stops the thread.
-        self._loop: EngineLoop | None = EngineLoop(
-            self.scheduler, detokenize=self.tokenizer.decode if self.tokenizer else None,
-            speculative=self.drafter is not None)
+        self._loop: EngineLoop | None = EngineLoop(self.scheduler, detokenize=detok,
+                                                   speculative=self.drafter is not None)
         weakref.finalize(self, self._loop.close)
         # Called as on_step(tokens done, tokens total) while a generate call waits (the CLI's
         # progress bar); prompt tokens count as done once the request's first output arrives.

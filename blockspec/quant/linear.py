@@ -8,10 +8,12 @@ input's dtype; on CUDA NVFP4 runs the Triton W4A16 kernel, which decodes in regi
 ``input_scale`` of W4A4 (``nvfp4``) and FP8 checkpoints is loaded but never applied: blockspec
 runs both with bf16 activations (see docs/quantization.md).
 
-FP8 on GPU: the weight is dequantized to x's dtype per call (a transient copy, freed after the
-GEMM) and multiplied by cuBLAS.  An FP8 tensor-core GEMM (``torch._scaled_mm``) would quantize
-the activations to E4M3 with the static ``input_scale`` and change the numerics away from the
-bf16 reference, and only the Mamba in/out projections use FP8 in the Lightning layout.
+FP8 on GPU (bf16/fp16 activations, sm89+): W8A8 on the FP8 tensor cores, as sglang and vLLM run
+ModelOpt FP8 checkpoints: the activations are quantized to E4M3 with the checkpoint's static
+``input_scale`` (a per-tensor scale from the activations' absolute maximum when a checkpoint
+has none) and ``torch._scaled_mm`` multiplies; no weight is dequantized per call.
+``fp8_w8a8_reference`` is the same math in plain torch. Elsewhere (CPU, fp32) FP8 layers run
+as W8A16 against the exactly dequantized weight, the reference the parity tests use.
 """
 from __future__ import annotations
 
@@ -156,10 +158,57 @@ class FP8Linear(_QuantBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if _scaled_mm_ok(x, self.in_features, self.out_features):
+            return fp8_w8a8(x, self.weight, self.weight_scale, self.activation_scale(x), bias)
         return F.linear(x, self.dense_weight(x.dtype), bias)
+
+    def activation_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's static input scale, or amax(|x|) / 448 when it has none (device
+        ops only, so a captured step never waits for it)."""
+        s = getattr(self, "input_scale", None)
+        if s is not None:
+            return torch.where(s > 0, s, _dynamic_scale(x))
+        return _dynamic_scale(x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt=fp8"
+
+
+FP8_MAX = 448.0
+
+
+def _dynamic_scale(x: torch.Tensor) -> torch.Tensor:
+    return (x.abs().amax().float() / FP8_MAX).clamp_min(1e-12)
+
+
+def _scaled_mm_ok(x: torch.Tensor, k: int, n: int) -> bool:
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and k % 16 == 0
+            and n % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
+def _quantize_act(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             input_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16) @ (weight [N, K] E4M3 x weight_scale)^T with x quantized to E4M3
+    at ``input_scale``: one FP8 tensor-core GEMM (``torch._scaled_mm``), fp32 accumulation."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    xq = _quantize_act(x.reshape(-1, k), input_scale)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=input_scale.float().reshape(()),
+                         scale_b=weight_scale.float().reshape(()), bias=bias, out_dtype=x.dtype)
+    return y.reshape(*lead, weight.shape[0])
+
+
+def fp8_w8a8_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       input_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch: the same activation quantization, then fp32 matmul of the dequantized pair."""
+    xq = _quantize_act(x, input_scale).float() * input_scale.float()
+    y = xq @ (weight.float() * weight_scale.float()).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 def make_quant_linear(fmt: str, in_features: int, out_features: int, bias: bool = False,
