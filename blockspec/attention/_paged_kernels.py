@@ -21,14 +21,15 @@ def _add_fn(a, b):
 
 
 @triton.jit
-def _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, kp, kmask, qpos, row_ok,
+def _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, dmask, kp, kmask, qpos, row_ok,
                m_i, l_i, acc, scale, window, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
                WINDOWED: tl.constexpr, IEEE: tl.constexpr):
     """One block of keys folded into the running softmax state (m, l, acc)."""
     page = tl.load(BT + slot * s_bt + kp // PAGE, mask=kmask, other=0)
     ks = page.to(tl.int64) * PAGE + kp % PAGE
-    k = tl.load(K + ks[:, None] * s_kn + h * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
-    v = tl.load(V + ks[:, None] * s_kn + h * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
+    kvmask = kmask[:, None] & dmask[None, :]
+    k = tl.load(K + ks[:, None] * s_kn + h * s_kh + d[None, :], mask=kvmask, other=0.0)
+    v = tl.load(V + ks[:, None] * s_kn + h * s_kh + d[None, :], mask=kvmask, other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -54,7 +55,7 @@ def _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, kp, kmask, qpos, row_o
 @triton.jit
 def _attn_kernel(Q, K, V, O, PM, PL, PO, BT, SLOTS, SEQ, QST, TILE_REQ, TILE_R0, SINK,
                  scale, window, s_qn, s_qh, s_kn, s_kh, s_on, s_oh, s_bt,
-                 G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                 G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                  CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_SINK: tl.constexpr,
                  IEEE: tl.constexpr, STATIC_ITERS: tl.constexpr):
@@ -73,9 +74,10 @@ def _attn_kernel(Q, K, V, O, PM, PL, PO, BT, SLOTS, SEQ, QST, TILE_REQ, TILE_R0,
     head = h * G + m % G
     row_ok = t < qn
     qpos = L - qn + t
-    d = tl.arange(0, D)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
     q = tl.load(Q + (qs + t)[:, None].to(tl.int64) * s_qn + head[:, None] * s_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=row_ok[:, None] & dmask[None, :], other=0.0)
     # keys this tile can see, then this program's share of them
     t_last = tl.minimum((r0 + BLOCK_M - 1) // G, qn - 1)
     hi = L
@@ -90,18 +92,18 @@ def _attn_kernel(Q, K, V, O, PM, PL, PO, BT, SLOTS, SEQ, QST, TILE_REQ, TILE_R0,
     end = tl.minimum(start + chunk, hi)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, D], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     if STATIC_ITERS > 0:
         # the interpreter cannot loop over loaded bounds: a fixed trip count, masked
         for it in range(STATIC_ITERS):
             kp = start + it * BLOCK_N + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, kp,
+            m_i, l_i, acc = _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, dmask, kp,
                                        kp < end, qpos, row_ok, m_i, l_i, acc, scale, window,
                                        PAGE, CAUSAL, WINDOWED, IEEE)
     else:
         for s0 in range(start, end, BLOCK_N):
             kp = s0 + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, kp,
+            m_i, l_i, acc = _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, dmask, kp,
                                        kp < end, qpos, row_ok, m_i, l_i, acc, scale, window,
                                        PAGE, CAUSAL, WINDOWED, IEEE)
     if SPLITS == 1:
@@ -113,17 +115,17 @@ def _attn_kernel(Q, K, V, O, PM, PL, PO, BT, SLOTS, SEQ, QST, TILE_REQ, TILE_R0,
             acc = acc * scale_old[:, None]
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         optr = O + (qs + t)[:, None].to(tl.int64) * s_on + head[:, None] * s_oh + d[None, :]
-        tl.store(optr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(optr, out.to(O.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
     else:
         base = (tile * n_kv + h) * SPLITS + sp
         rows = base * BLOCK_M + tl.arange(0, BLOCK_M)
         tl.store(PM + rows, m_i)
         tl.store(PL + rows, l_i)
-        tl.store(PO + rows[:, None].to(tl.int64) * D + d[None, :], acc)
+        tl.store(PO + rows[:, None].to(tl.int64) * BLOCK_D + d[None, :], acc)
 
 @triton.jit
 def _merge_kernel(O, PM, PL, PO, QST, TILE_REQ, TILE_R0, SINK, s_on, s_oh,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                   SPLITS: tl.constexpr, HAS_SINK: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -136,7 +138,8 @@ def _merge_kernel(O, PM, PL, PO, QST, TILE_REQ, TILE_R0, SINK, s_on, s_oh,
     t = m // G
     head = h * G + m % G
     row_ok = t < qn
-    d = tl.arange(0, D)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
     first = (tile * n_kv + h) * SPLITS * BLOCK_M + tl.arange(0, BLOCK_M)
     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for s in tl.static_range(SPLITS):
@@ -146,14 +149,14 @@ def _merge_kernel(O, PM, PL, PO, QST, TILE_REQ, TILE_R0, SINK, s_on, s_oh,
         m_all = tl.maximum(m_all, sink)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_tot = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, D], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     for s in tl.static_range(SPLITS):
         rows = first + s * BLOCK_M
         w = tl.exp(tl.load(PM + rows) - m_safe)
         l_tot += tl.load(PL + rows) * w
-        acc += tl.load(PO + rows[:, None].to(tl.int64) * D + d[None, :]) * w[:, None]
+        acc += tl.load(PO + rows[:, None].to(tl.int64) * BLOCK_D + d[None, :]) * w[:, None]
     if HAS_SINK:
         l_tot += tl.exp(sink - m_safe)
     out = acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
     optr = O + (qs + t)[:, None].to(tl.int64) * s_on + head[:, None] * s_oh + d[None, :]
-    tl.store(optr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(optr, out.to(O.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])

@@ -94,9 +94,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``uniform_tiles`` / ``ragged_tiles`` with the same ``block_m``."""
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
-    if hq % hkv or d & (d - 1) or d < 16:
-        raise ValueError(f"paged_attention needs Hq % Hkv == 0 and a power-of-two head dim "
-                         f">= 16, got Hq={hq}, Hkv={hkv}, D={d}")
+    if hq % hkv:
+        raise ValueError(f"paged_attention needs Hq % Hkv == 0, got Hq={hq}, Hkv={hkv}")
+    block_d = max(16, 1 << (d - 1).bit_length())    # tiles are powers of two >= 16; D is masked
     q = q.contiguous()
     out = torch.empty_like(q)
     tiles = tile_req.shape[0]
@@ -110,10 +110,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         rows = tiles * hkv * splits * block_m
         pm = torch.empty(rows, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
-        po = torch.empty(rows * d, dtype=torch.float32, device=q.device)
+        po = torch.empty(rows * block_d, dtype=torch.float32, device=q.device)
     else:
         pm = pl = po = sink_t
-    common = dict(G=hq // hkv, D=d, BLOCK_M=block_m, SPLITS=splits, HAS_SINK=sink is not None)
+    common = dict(G=hq // hkv, D=d, BLOCK_D=block_d, BLOCK_M=block_m, SPLITS=splits,
+                  HAS_SINK=sink is not None)
     attn[(tiles, hkv, splits)](
         q, k_cache, v_cache, out, pm, pl, po, block_table, req_slots, seq_lens, q_start,
         tile_req, tile_row0, sink_t, scale, window or 0,

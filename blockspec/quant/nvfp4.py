@@ -16,6 +16,8 @@ same ``weight_scale_2`` (see ``quantize_nvfp4``).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 GROUP_SIZE = 16
@@ -33,7 +35,13 @@ _TIES_ROUNDING_UP: tuple[float, ...] = (0.75, 1.75, 3.5)
 
 
 def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:
-    """The 16 code values as fp32 (index = code)."""
+    """The 16 code values as fp32 (index = code). One table per device, made once: a lookup
+    inside a captured CUDA graph must not copy a new table from the host."""
+    return _e2m1_table(str(torch.device(device)) if device is not None else "cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _e2m1_table(device: str) -> torch.Tensor:
     return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
 
 
