@@ -11,16 +11,23 @@ for stage in "$@"; do
 case "$stage" in
 tests)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-  timeout 250 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_engine.py \
-      tests/test_moe_grouped.py -q -p no:cacheprovider -o addopts="" -rs \
-      2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+  timeout 200 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_engine.py \
+      tests/test_moe_grouped.py tests/test_kernels.py -q -p no:cacheprovider \
+      -o addopts="" -rf 2>&1 | tail -60 > "$OUT/gpu_tests.log"; tail -15 "$OUT/gpu_tests.log"
+  ;;
+profile)
+  P="timeout 50 python3 scripts/profile_step.py --preset lightning-mini"
+  $P --out "$OUT/profile_ar.txt" 2>>"$OUT/stderr.log"
+  $P --draft dflash --width 4 --out "$OUT/profile_dflash.txt" 2>>"$OUT/stderr.log"
+  $P --quantized --out "$OUT/profile_ar_quant.txt" 2>>"$OUT/stderr.log"
+  head -14 "$OUT"/profile_*.txt
   ;;
 mini)
-  timeout 75 $B --preset lightning-mini --batch-size 1,8 --compare-eager 2>>"$OUT/stderr.log"
-  timeout 75 $B --preset lightning-mini --quantized --batch-size 1 --compare-eager 2>>"$OUT/stderr.log"
-  timeout 75 $B --preset lightning-mini --random-draft dflash --speculative-num-draft-tokens 4 \
+  timeout 60 $B --preset lightning-mini --batch-size 1,8 --compare-eager 2>>"$OUT/stderr.log"
+  timeout 60 $B --preset lightning-mini --quantized --batch-size 1 --compare-eager 2>>"$OUT/stderr.log"
+  timeout 60 $B --preset lightning-mini --random-draft dflash --speculative-num-draft-tokens 4 \
       --batch-size 1 --compare-eager 2>>"$OUT/stderr.log"
-  timeout 75 $B --preset lightning-mini --random-draft dspark --speculative-num-draft-tokens 4 \
+  timeout 60 $B --preset lightning-mini --random-draft dspark --speculative-num-draft-tokens 4 \
       --batch-size 1 --compare-eager 2>>"$OUT/stderr.log"
   ;;
 full)

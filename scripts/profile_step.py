@@ -1,53 +1,92 @@
-"""Where a decode / speculative step spends its time (torch profiler), for the notes that the
-performance work builds on.
+"""Where one decode / speculative step spends its time, for the notes the performance work
+builds on: the step function run eagerly under the torch profiler (kernel count, the kernels
+by total GPU time), and the same step replayed from its CUDA graph timed with CUDA events.
 
-    python scripts/profile_step.py --model-path M [--draft D --algo DFLASH] --out FILE
+    python scripts/profile_step.py --preset lightning-mini [--quantized] [--draft dflash|dspark]
+        [--batch-size 1] [--width 4] --out FILE
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from blockspec import Engine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from blockspec.bench import presets  # noqa: E402
+from blockspec.engine import Engine  # noqa: E402
+from blockspec.runtime.metadata import StepBatch  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--draft")
-    p.add_argument("--algo", default="DFLASH")
+    p.add_argument("--preset", default="lightning-mini", choices=sorted(presets.PRESETS))
+    p.add_argument("--quantized", action="store_true")
+    p.add_argument("--draft", choices=["dflash", "dspark"])
+    p.add_argument("--width", type=int, default=4, help="verify width with --draft")
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--context", type=int, default=128)
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    kw = {"speculative_algorithm": a.algo, "speculative_draft_model_path": a.draft} if a.draft else {}
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    e = Engine(model_path=a.model_path, device=dev, dtype="bfloat16" if dev == "cuda" else "float32", **kw)
-    prompts = [[(7 * i + j) % 1000 + 3 for j in range(128)] for i in range(a.batch_size)]
-    sp = {"max_new_tokens": a.steps, "temperature": 0, "ignore_eos": True}
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
-    e.generate(input_ids=prompts, sampling_params=sp)          # warm-up
-    sync()
-    with profile(activities=acts) as prof:
-        e.generate(input_ids=prompts, sampling_params=sp)
-        sync()
-    with open(a.out, "w") as f:
-        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
-        f.write("\n\n")
-        if dev == "cuda":
-            f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
-        phases = [ev for ev in prof.key_averages() if ev.key.startswith(("spec.", "decode."))]
-        f.write("\nphase                 calls   cpu total ms   (per call ms)\n")
-        for ev in sorted(phases, key=lambda ev: ev.key):
-            f.write(f"{ev.key:20s} {ev.count:6d} {ev.cpu_time_total / 1e3:12.2f} "
-                    f"{ev.cpu_time_total / 1e3 / ev.count:10.3f}\n")
-        syncs = sum(ev.count for ev in prof.key_averages()
-                    if ev.key in ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize",
-                                  "cudaDeviceSynchronize", "aten::nonzero"))
-        f.write(f"\nhost-sync-like calls in {a.steps} steps: {syncs}\n")
+    dev = torch.device("cuda")
+    model = presets.build_target(a.preset, dev, torch.bfloat16, a.quantized)
+    draft = None
+    if a.draft:
+        block = a.width if a.draft == "dflash" else a.width - 1
+        draft = presets.build_draft(a.draft, presets.preset_config(a.preset), block, dev, torch.bfloat16)
+    bs = a.batch_size
+    e = Engine.from_model(model, draft=draft, max_running_requests=max(bs, 1),
+                          max_total_tokens=bs * (a.context + 256), cuda_graph_max_bs=max(bs, 1))
+    runner = e.runner
+    held = [e.memory.admit(a.context + 64) for _ in range(bs)]
+    batch = StepBatch(slots=[h.slot for h in held], prefix_lens=[a.context] * bs, tokens=[5] * bs,
+                      temperature=[0.0] * bs, top_k=[-1] * bs, top_p=[1.0] * bs, min_p=[0.0] * bs,
+                      seeds=list(range(bs)), sample_counters=[0] * bs, verify_counters=[0] * bs)
+    fn, kind = (e.drafter.step_fn, "spec") if draft is not None else (runner.decode_step, "decode")
+    key = batch.sampling_key()
+    lines = [f"preset {a.preset} quantized={a.quantized} draft={a.draft} width={a.width if draft else 1} "
+             f"batch {bs} context {a.context}"]
+    with torch.inference_mode():
+        runner.inputs.fill(batch, bs)
+        for _ in range(3):
+            fn(runner.inputs.view(bs), key)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn(runner.inputs.view(bs), key)
+            torch.cuda.synchronize()
+        kernels = collections.Counter()
+        times = collections.Counter()
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[ev.name] += 1
+                times[ev.name] += ev.device_time_total
+        total = sum(times.values())
+        lines.append(f"eager step: {sum(kernels.values())} GPU kernels, {total / 1e3:.3f} ms of GPU time")
+        for name, t in times.most_common(25):
+            lines.append(f"  {t / 1e3:8.3f} ms  x{kernels[name]:<4d} {name[:110]}")
+        gkey = (kind, key, bs)
+        runner.inputs.fill_dummy(0, bs)
+        runner.inputs.upload()
+        runner.graphs.capture(gkey, lambda: fn(runner.inputs.view(bs), key))
+        runner.inputs.fill(batch, bs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(5):
+            runner.graphs.replay(gkey)
+        torch.cuda.synchronize()
+        start.record()
+        n = 50
+        for _ in range(n):
+            runner.graphs.replay(gkey)
+        end.record()
+        torch.cuda.synchronize()
+        lines.append(f"graph replay: {start.elapsed_time(end) / n:.3f} ms per step (mean of {n})")
+    text = "\n".join(lines)
+    print(text)
+    Path(a.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

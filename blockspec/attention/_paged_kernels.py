@@ -1,13 +1,9 @@
 """Triton kernels of the paged attention backend (``triton_paged.py`` has the launcher and the
-layout of the work). Kernels live at module level because Triton resolves helper functions
-through module globals; ``triton_paged`` loads this file once per mode (compiled or
-interpreted), since Triton decides that when the kernels are decorated."""
+layout of the work; ``kernels/triton_loader.py`` loads this file once per mode)."""
 import triton
 import triton.language as tl
 
-# Reductions go through tl.reduce with combine functions of this module: the standard
-# library's tl.max / tl.sum break in the interpreter when triton was imported before
-# TRITON_INTERPRET was set (as in a test session that also compiles kernels).
+# Reductions go through tl.reduce with this module's combine functions (see triton_loader).
 
 
 @triton.jit

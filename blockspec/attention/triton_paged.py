@@ -12,12 +12,13 @@ what the tests compare against.
 from __future__ import annotations
 
 import functools
-import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from blockspec.attention.base import AttentionBackend
+from blockspec.kernels.triton_loader import interpreting, load_kernels
 
 if TYPE_CHECKING:
     from blockspec.runtime.metadata import ForwardMetadata
@@ -25,20 +26,7 @@ if TYPE_CHECKING:
 BLOCK_N = 64
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels(interpret: bool):
-    """The two kernels, compiled or interpreted (loaded as a separate module per mode)."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "_paged_kernels.py")
-    spec = importlib.util.spec_from_file_location(f"blockspec.attention._paged_kernels_{int(interpret)}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._attn_kernel, module._merge_kernel
+_KERNELS = Path(__file__).with_name("_paged_kernels.py")
 
 
 def pick_block_m(rows_per_request: int) -> int:
@@ -100,8 +88,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q = q.contiguous()
     out = torch.empty_like(q)
     tiles = tile_req.shape[0]
-    interpret = _interpreting()
-    attn, merge = _kernels(interpret)
+    interpret = interpreting()
+    kernels = load_kernels(_KERNELS)
+    attn, merge = kernels._attn_kernel, kernels._merge_kernel
     # the interpreter needs a fixed trip count (reading seq_lens is fine on the CPU)
     static_iters = -(-int(seq_lens.max()) // BLOCK_N) + 1 if interpret else 0
     ieee = q.dtype == torch.float32

@@ -7,7 +7,9 @@
   needed to rebuild the conv window and the SSM state after every step are returned so that
   ``commit`` can adopt the state at the last accepted index.
 
-Everything here is the pure-torch reference (fp32 state and scan math).
+The torch code here is the reference (fp32 state and scan math). On CUDA, decode and verify
+steps run as one Triton kernel per layer (``kernels/mamba_step.py``) that reads and writes the
+state pool in place; ``forward_steps`` picks the path.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.norm import GatedGroupRMSNorm
 from blockspec.models.nemotron_h_config import NemotronHConfig
@@ -164,6 +167,57 @@ class Mamba2Mixer(nn.Module):
         y, states = ssm_recurrent_steps(x, dt, -torch.exp(self.A_log.float()), Bm, Cm,
                                         ssm_state.float())
         return self._out(y, x, z), MambaVerifyState(xbc=xbc, ssm=states)
+
+    def forward_steps(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                      slots: torch.Tensor, steps: int, commit: bool,
+                      xbc_scratch: torch.Tensor | None = None,
+                      ssm_scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """``steps`` recurrent steps for each of B = len(slots) requests, ``u`` [B*steps, d] in
+        row order b*steps + t, against one layer's state pools ([S, C, K-1], [S, H, P, N]).
+
+        commit (decode): the slots' conv windows and SSM states advance in place.
+        not commit (verify): the committed state is untouched; the pre-conv inputs and the SSM
+        state after each step go to ``xbc_scratch`` [S, T', C] / ``ssm_scratch`` [S, T', H, P, N]
+        for ``MambaStatePool.commit_verify``. Returns the mixer output [B*steps, d]."""
+        zxbcdt = self.in_proj(u)
+        z = zxbcdt[:, : self.d_inner]
+        if use_triton(u) and self.K == 4:
+            from blockspec.kernels.mamba_step import mamba_steps
+
+            y = mamba_steps(zxbcdt, conv_weight=self.conv1d.weight, conv_bias=self.conv1d.bias,
+                            dt_bias=self.dt_bias, a_log=self.A_log, d_skip=self.D,
+                            conv_state=conv_state, ssm_state=ssm_state, slots=slots, steps=steps,
+                            heads=self.H, head_dim=self.P, state_size=self.N, groups=self.G,
+                            d_inner=self.d_inner, commit=commit, xbc_scratch=xbc_scratch,
+                            ssm_scratch=ssm_scratch, dt_limit=self.dt_limit)
+        else:
+            y = self.steps_reference(zxbcdt, conv_state, ssm_state, slots, steps, commit,
+                                     xbc_scratch, ssm_scratch)
+        return self.out_proj(self.norm(y, z))
+
+    def steps_reference(self, zxbcdt: torch.Tensor, conv_state: torch.Tensor,
+                        ssm_state: torch.Tensor, slots: torch.Tensor, steps: int, commit: bool,
+                        xbc_scratch: torch.Tensor | None, ssm_scratch: torch.Tensor | None
+                        ) -> torch.Tensor:
+        """Torch reference of the fused step kernel: y [B*T, d_inner] fp32 (D skip included),
+        with the same state writes."""
+        B, T = slots.shape[0], steps
+        _, xbc, dt_raw = zxbcdt.split([self.d_inner, self.conv_dim, self.H], dim=-1)
+        xbc, dt_raw = xbc.reshape(B, T, -1), dt_raw.reshape(B, T, -1)
+        window = conv_state[slots]
+        conv_out = self._conv(xbc, window)
+        x, Bm, Cm, dt = self._ssm_inputs(conv_out, dt_raw)
+        y, states = ssm_recurrent_steps(x, dt, -torch.exp(self.A_log.float()), Bm, Cm,
+                                        ssm_state[slots].float())
+        y = y + x * self.D.float()[:, None]
+        if commit:
+            keep = conv_state.shape[-1]
+            conv_state[slots] = torch.cat([window, xbc.transpose(1, 2).to(window.dtype)], dim=2)[..., -keep:]
+            ssm_state[slots] = states[:, -1]
+        else:
+            xbc_scratch[slots, :T] = xbc.to(xbc_scratch.dtype)
+            ssm_scratch[slots, :T] = states
+        return y.reshape(B * T, self.d_inner)
 
     @staticmethod
     def committed_state(conv_state: torch.Tensor, vs: MambaVerifyState, index: torch.Tensor

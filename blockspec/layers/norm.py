@@ -1,9 +1,13 @@
-"""RMSNorm variants used by Nemotron-H and the Qwen3-style draft layers."""
+"""RMSNorm variants used by Nemotron-H and the Qwen3-style draft layers. On CUDA (inference)
+each runs as one fused Triton kernel (``kernels/norm.py``); ``reference`` is the torch math the
+kernels are tested against and what the CPU runs."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+from blockspec.kernels.triton_loader import use_triton
 
 
 class RMSNorm(nn.Module):
@@ -15,6 +19,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from blockspec.kernels.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)[1]
+        return self.reference(x)
+
+    def add_forward(self, h: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm block step: (h + out, norm(h + out)), the sum in h's dtype."""
+        if use_triton(h):
+            from blockspec.kernels.norm import rms_norm
+
+            return rms_norm(h, self.weight, self.eps, residual=out)
+        h = h + out
+        return h, self.reference(h)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -37,6 +57,13 @@ class GatedGroupRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if use_triton(gate):
+            from blockspec.kernels.norm import gated_rms_norm
+
+            return gated_rms_norm(y, gate, self.weight, self.group_size, self.eps)
+        return self.reference(y, gate)
+
+    def reference(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = gate.dtype
         v = y.float() * F.silu(gate.float())
         shape = v.shape

@@ -87,24 +87,29 @@ class NemotronHForCausalLM(nn.Module):
         h = self.embed(meta.input_ids)
         taps = set(meta.capture_layers)
         captured: dict[int, torch.Tensor] = {}
+        out = None
         for i, block in enumerate(self.backbone.layers):
+            # the residual add of the previous block and this block's norm run fused
+            h, x = block.norm.add_forward(h, out) if out is not None else (h, block.norm(h))
             if i in taps:
                 captured[i] = h
-            x = block.norm(h)
             if block.kind == "mamba":
                 out = self._mamba(block.mixer, self.mamba_index[i], x, meta)
             elif block.kind == "attention":
                 out = block.mixer(x, meta, self.attn_index[i])
             else:
                 out = block.mixer(x)
+        norm_f = self.backbone.norm_f
+        if meta.logits_rows is None:
+            h, final = norm_f.add_forward(h, out)
+        else:
             h = h + out
+            final = norm_f(h[meta.logits_rows])
         n_layers = len(self.backbone.layers)
         if n_layers in taps:
             captured[n_layers] = h
         aux = torch.cat([captured[i] for i in meta.capture_layers], dim=-1) if taps else None
-        rows = h if meta.logits_rows is None else h[meta.logits_rows]
-        logits = self.compute_logits(self.backbone.norm_f(rows))
-        return ModelOutput(logits=logits, aux_hidden=aux)
+        return ModelOutput(logits=self.compute_logits(final), aux_hidden=aux)
 
     @staticmethod
     def _mamba(mixer: Mamba2Mixer, n: int, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
@@ -131,14 +136,7 @@ class NemotronHForCausalLM(nn.Module):
                 ssm[slots] = state
                 out[rows.reshape(-1)] = y.reshape(-1, y.shape[-1])
             return out
-        B, T = meta.batch_size, meta.q_len
-        slots = meta.req_slots
-        out, vs = mixer.steps(x.view(B, T, -1), conv[slots], ssm[slots])
         if meta.mode == Mode.DECODE:
-            keep = conv.shape[-1]
-            conv[slots] = torch.cat([conv[slots], vs.xbc.transpose(1, 2).to(conv.dtype)], dim=2)[..., -keep:]
-            ssm[slots] = vs.ssm[:, -1]
-        else:
-            pool.xbc_scratch[n][slots, :T] = vs.xbc.to(pool.xbc_scratch.dtype)
-            pool.ssm_scratch[n][slots, :T] = vs.ssm
-        return out.reshape(B * T, -1)
+            return mixer.forward_steps(x, conv, ssm, meta.req_slots, meta.q_len, commit=True)
+        return mixer.forward_steps(x, conv, ssm, meta.req_slots, meta.q_len, commit=False,
+                                   xbc_scratch=pool.xbc_scratch[n], ssm_scratch=pool.ssm_scratch[n])

@@ -1,0 +1,40 @@
+"""Triton kernels of the fused norms (``kernels/norm.py`` has the launchers and references)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_fn(a, b):
+    return a + b
+
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, Y, HOUT, n, eps, s_x, s_r, s_y, s_h,
+                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    """One row: h = x (+ r, rounded to x's dtype and stored), y = w * h * rsqrt(mean(h^2)+eps)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    m = c < n
+    x = tl.load(X + row * s_x + c, mask=m, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(R + row * s_r + c, mask=m, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(HOUT + row * s_h + c, x, mask=m)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.reduce(xf * xf, 0, _add_fn) / n + eps)
+    w = tl.load(W + c, mask=m, other=0.0).to(tl.float32)
+    tl.store(Y + row * s_y + c, (w * (xf * rstd)).to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(V, Z, W, Y, group, eps, s_v, s_z, s_y, BLOCK: tl.constexpr):
+    """One (row, group): v = y * silu(z), RMS-normalised over the group, times w."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    c = g * group + tl.arange(0, BLOCK)
+    m = tl.arange(0, BLOCK) < group
+    v = tl.load(V + row * s_v + c, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(Z + row * s_z + c, mask=m, other=0.0).to(tl.float32)
+    v = v * (z / (1.0 + tl.exp(-z)))
+    rstd = 1.0 / tl.sqrt(tl.reduce(v * v, 0, _add_fn) / group + eps)
+    w = tl.load(W + c, mask=m, other=0.0).to(tl.float32)
+    tl.store(Y + row * s_y + c, (w * (v * rstd)).to(Y.dtype.element_ty), mask=m)

@@ -1,0 +1,58 @@
+"""Mamba-2 decode and verify steps in one Triton kernel per layer: the causal conv over the
+committed window, softplus(dt), the SSM recurrence and the D skip, reading the request's state
+from the pool through its slot and writing back the final state (decode) or the state after
+every block position into the verify scratch (verify). The reference is
+``Mamba2Mixer.steps_reference`` (layers/mamba2.py), which the CPU runs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from blockspec.kernels.triton_loader import interpreting, load_kernels
+
+_KERNELS = Path(__file__).with_name("_mamba_kernels.py")
+
+
+def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                dt_bias: torch.Tensor, a_log: torch.Tensor, d_skip: torch.Tensor,
+                conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, steps: int,
+                heads: int, head_dim: int, state_size: int, groups: int, d_inner: int,
+                commit: bool, xbc_scratch: torch.Tensor | None = None,
+                ssm_scratch: torch.Tensor | None = None,
+                dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+    """``zxbcdt`` [B*T, z | xBC | dt] (the in_proj output, rows b*T + t); one layer's pools
+    ``conv_state`` [S, C, 3] and ``ssm_state`` [S, H, P, N] (fp32); scratch [S, T', C] and
+    [S, T', H, P, N] for verify. Returns y [B*T, d_inner] fp32 (D skip included)."""
+    rows, width = zxbcdt.shape
+    conv_dim = d_inner + 2 * groups * state_size
+    if width != d_inner + conv_dim + heads or rows != slots.shape[0] * steps:
+        raise ValueError(f"mamba_steps: zxbcdt {tuple(zxbcdt.shape)} does not match B={slots.shape[0]}, "
+                         f"T={steps}, d_inner={d_inner}, conv_dim={conv_dim}, heads={heads}")
+    if zxbcdt.stride(-1) != 1:
+        zxbcdt = zxbcdt.contiguous()
+    block_p = min(head_dim, 32)
+    if head_dim % block_p or state_size & (state_size - 1) or block_p & (block_p - 1):
+        raise ValueError("mamba_steps needs power-of-two head_dim blocks and state size")
+    y = torch.empty(rows, d_inner, dtype=torch.float32, device=zxbcdt.device)
+    lo, hi = dt_limit
+    clamp = lo > 0.0 or hi != float("inf")
+    ssm_s = ssm_scratch if ssm_scratch is not None else ssm_state
+    xbc_s = xbc_scratch if xbc_scratch is not None else conv_state
+    extra = {} if interpreting() else {"num_warps": 4}
+    kernels = load_kernels(_KERNELS)
+    kernels._mamba_steps_kernel[(slots.shape[0], heads, head_dim // block_p)](
+        zxbcdt, conv_weight.reshape(conv_dim, -1), conv_bias if conv_bias is not None else d_skip,
+        dt_bias, a_log, d_skip, conv_state, ssm_state, slots, y, ssm_s, xbc_s,
+        zxbcdt.stride(0), zxbcdt.stride(0), conv_state.stride(0), ssm_state.stride(0),
+        ssm_s.stride(0), ssm_s.stride(1), xbc_s.stride(0), xbc_s.stride(1), y.stride(0),
+        float(lo), float(min(hi, 3.0e38)),
+        T=steps, H=heads, P=head_dim, N=state_size, G=groups, DINNER=d_inner, CONV=conv_dim,
+        BLOCK_P=block_p,
+        COMMIT=commit, HAS_BIAS=conv_bias is not None, CLAMP=clamp, **extra)
+    if commit:
+        block = 256
+        kernels._conv_window_kernel[(slots.shape[0], -(-conv_dim // block))](
+            zxbcdt, conv_state, slots, zxbcdt.stride(0), conv_state.stride(0), DINNER=d_inner,
+            CONV=conv_dim, T=steps, BLOCK=block, **extra)
+    return y

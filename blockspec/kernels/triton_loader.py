@@ -1,0 +1,57 @@
+"""Loading Triton kernel files once per mode.
+
+Triton decides at decoration time whether a kernel is compiled or interpreted
+(``TRITON_INTERPRET=1``), and resolves helper functions through module globals. So every
+kernel file is a plain module of ``@triton.jit`` functions, loaded here as a separate module
+object per mode; launchers ask for the mode the current process is in. Kernel files avoid the
+standard library's jitted helpers (``tl.sum``, ``tl.max``, ``tl.zeros``, ``tl.cdiv``,
+``tl.sigmoid``), which break in the interpreter when triton was imported before the variable
+was set, and use ``tl.reduce`` with their own combine functions instead.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str, interpret: bool) -> ModuleType:
+    name = f"blockspec.kernels._loaded_{Path(path).stem}_{int(interpret)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_kernels(path: str | Path) -> ModuleType:
+    """The kernel module at ``path`` for the current mode."""
+    return _load(str(path), interpreting())
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Fast paths run on CUDA tensors when triton imports and no gradient is wanted (the
+    kernels have no backward; training runs the references), unless
+    BLOCKSPEC_DISABLE_TRITON=1 asks for the torch references everywhere (to compare the two)."""
+    if not x.is_cuda or torch.is_grad_enabled():
+        return False
+    if os.environ.get("BLOCKSPEC_DISABLE_TRITON", "0") not in ("", "0"):
+        return False
+    return _triton_importable()
