@@ -19,8 +19,9 @@ profile)
   P="timeout 50 python3 scripts/profile_step.py --preset lightning-mini"
   $P --out "$OUT/profile_ar.txt" 2>>"$OUT/stderr.log"
   $P --draft dflash --width 4 --out "$OUT/profile_dflash.txt" 2>>"$OUT/stderr.log"
+  $P --verify-only --width 4 --out "$OUT/profile_verify.txt" 2>>"$OUT/stderr.log"
   $P --quantized --out "$OUT/profile_ar_quant.txt" 2>>"$OUT/stderr.log"
-  head -14 "$OUT"/profile_*.txt
+  grep -h "preset\|graph replay\|eager step" "$OUT"/profile_*.txt
   ;;
 mini)
   timeout 60 $B --preset lightning-mini --batch-size 1,8 --compare-eager 2>>"$OUT/stderr.log"

@@ -27,7 +27,10 @@ def main() -> None:
     p.add_argument("--preset", default="lightning-mini", choices=sorted(presets.PRESETS))
     p.add_argument("--quantized", action="store_true")
     p.add_argument("--draft", choices=["dflash", "dspark"])
-    p.add_argument("--width", type=int, default=4, help="verify width with --draft")
+    p.add_argument("--width", type=int, default=4, help="verify width with --draft / --verify-only")
+    p.add_argument("--verify-only", action="store_true",
+                   help="time the target's verify forward of --width tokens alone (no draft, no "
+                        "accept, no commit)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--out", required=True)
@@ -47,8 +50,21 @@ def main() -> None:
                       temperature=[0.0] * bs, top_k=[-1] * bs, top_p=[1.0] * bs, min_p=[0.0] * bs,
                       seeds=list(range(bs)), sample_counters=[0] * bs, verify_counters=[0] * bs)
     fn, kind = (e.drafter.step_fn, "spec") if draft is not None else (runner.decode_step, "decode")
+    if a.verify_only:
+        from blockspec.runtime.metadata import Mode, uniform_metadata
+
+        m = e.memory
+        m.set_lookahead(a.width)
+
+        def fn(inp, key):   # noqa: F811 - the target's verify forward alone
+            ids = inp["token"][:, None].expand(-1, a.width)
+            meta = uniform_metadata(inp, a.width, Mode.VERIFY, ids, m.block_table, m.page_size,
+                                    runner.decode_attn, m.kv, m.mamba)
+            return model(meta).logits
+        kind = "verify"
     key = batch.sampling_key()
-    lines = [f"preset {a.preset} quantized={a.quantized} draft={a.draft} width={a.width if draft else 1} "
+    lines = [f"preset {a.preset} quantized={a.quantized} draft={a.draft} verify_only={a.verify_only} "
+             f"width={a.width if draft or a.verify_only else 1} "
              f"batch {bs} context {a.context}"]
     with torch.inference_mode():
         runner.inputs.fill(batch, bs)

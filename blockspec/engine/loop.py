@@ -67,6 +67,7 @@ class _Live:
     req: Request
     sink: Sink
     detok: IncrementalDetokenizer | None       # streaming requests with a tokenizer only
+    stream: bool = True                        # False: only the final output is sent
     sent_ids: int = 0
     sent_logprobs: int = 0
     histogram: list[int] = field(default_factory=list)   # spec_accept_histogram last reported
@@ -93,7 +94,8 @@ class EngineLoop:
     # ---- any thread --------------------------------------------------------------------------
     def submit(self, req: Request, sink: Sink, *, stream: bool = True) -> None:
         """Queue ``req``; its outputs go to ``sink`` from the loop thread. Non-streaming
-        requests get their text in one piece at the end (no per-step detokenizing)."""
+        requests get one output at the end (no per-step outputs, no per-step detokenizing:
+        a blocking client then sleeps until its result is ready)."""
         detok = None
         if stream and self._detokenize is not None:
             detok = IncrementalDetokenizer(self._detokenize, req.params.stop_strings())
@@ -103,7 +105,7 @@ class EngineLoop:
             if req.rid in self._known:
                 raise ValueError(f"request id {req.rid!r} is already in use")
             self._known.add(req.rid)
-            self._inbox.append(("add", _Live(req, sink, detok)))
+            self._inbox.append(("add", _Live(req, sink, detok, stream)))
             self._cv.notify()
 
     def abort(self, rid: str, *, wait: float | None = None) -> bool:
@@ -236,7 +238,7 @@ class EngineLoop:
             if req.finished:
                 del self._live[req.rid]
                 self._finish(live, req.finish_reason)
-            else:
+            elif live.stream:
                 self._send(live, self._output(live))
 
     def _finish(self, live: _Live, reason: dict) -> None:

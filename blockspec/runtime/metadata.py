@@ -126,6 +126,9 @@ class StepInputs:
         self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=device) if pin else self._host
         self.host = self._views(self._host)
         self.dev = self._views(self._dev)
+        n_int = len(_INT_FIELDS)
+        self._ints = self._host[: 8 * n_int * max_bs].view(torch.int64).view(n_int, max_bs)
+        self._floats = self._host[8 * n_int * max_bs:].view(torch.float32).view(len(_FLOAT_FIELDS), max_bs)
         self.fill_dummy(0, max_bs)
         self.upload()
 
@@ -149,17 +152,17 @@ class StepInputs:
 
     def fill(self, batch: StepBatch, padded: int) -> None:
         """Write the batch into rows [0, size) and dummy rows up to ``padded``; upload."""
-        n, h = batch.size, self.host
+        n = batch.size
         if padded > self.max_bs or n > padded:
             raise ValueError(f"batch of {n} padded to {padded} exceeds the {self.max_bs} rows")
-        for name, values in (("slot", batch.slots), ("prefix", batch.prefix_lens),
-                             ("token", batch.tokens), ("top_k", batch.top_k),
-                             ("seed", batch.seeds), ("sample_ctr", batch.sample_counters),
-                             ("verify_ctr", batch.verify_counters),
-                             ("temperature", batch.temperature), ("top_p", batch.top_p),
-                             ("min_p", batch.min_p)):
-            h[name][:n] = torch.tensor(values, dtype=h[name].dtype)
-        self.fill_dummy(n, padded)
+        # two host tensors for the whole batch (this runs every step: keep it cheap)
+        self._ints[:, :n] = torch.tensor([batch.slots, batch.prefix_lens, batch.tokens, batch.top_k,
+                                          batch.seeds, batch.sample_counters, batch.verify_counters],
+                                         dtype=torch.int64)
+        self._floats[:, :n] = torch.tensor([batch.temperature, batch.top_p, batch.min_p],
+                                           dtype=torch.float32)
+        if padded > n:
+            self.fill_dummy(n, padded)
         self.upload()
 
     def upload(self) -> None:
