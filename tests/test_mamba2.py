@@ -35,53 +35,78 @@ def test_chunked_scan_equals_recurrence():
         torch.testing.assert_close(S, states[:, -1], rtol=1e-5, atol=1e-5)
 
 
-def test_multi_step_commit_equals_single_steps():
+class Pool:
+    """One layer's worth of MambaStatePool: state tensors for ``slots`` requests + verify scratch."""
+
+    def __init__(self, m: Mamba2Mixer, slots: int, width: int, g: torch.Generator) -> None:
+        from blockspec.engine.memory import MambaStatePool
+
+        self.p = MambaStatePool(1, slots, m.conv_dim, m.K, m.H, m.P, m.N, torch.float32, torch.device("cpu"))
+        self.p.ensure_verify(width)
+        self.p.conv.copy_(torch.randn(self.p.conv.shape, generator=g))
+        self.p.ssm.copy_(torch.randn(self.p.ssm.shape, generator=g))
+
+    def clone(self) -> "Pool":
+        other = object.__new__(Pool)
+        other.p = type(self.p).__new__(type(self.p))
+        for name in ("conv", "ssm", "xbc_scratch", "ssm_scratch"):
+            setattr(other.p, name, getattr(self.p, name).clone())
+        return other
+
+    def steps(self, m: Mamba2Mixer, u: torch.Tensor, slots: torch.Tensor, commit: bool) -> torch.Tensor:
+        T = u.shape[0] // slots.shape[0]
+        return m.forward_steps(u, self.p.conv[0], self.p.ssm[0], slots, T, commit,
+                               self.p.xbc_scratch[0], self.p.ssm_scratch[0])
+
+
+def test_verify_then_commit_equals_decode_steps():
+    """A verify of T positions leaves the committed state alone; committing index i afterwards
+    gives the state (and outputs) of i + 1 single decode steps."""
     m = _mixer()
     g = torch.Generator().manual_seed(2)
     T = 6
-    u = torch.randn(1, T, 24, generator=g)
-    conv0 = torch.randn(1, m.conv_dim, 3, generator=g)
-    ssm0 = torch.randn(1, 4, 6, 5, generator=g)
-    conv_keep, ssm_keep = conv0.clone(), ssm0.clone()
-    out_multi, vs = m.steps(u, conv0, ssm0)
-    # the committed state is untouched by a verify pass
-    assert torch.equal(conv0, conv_keep) and torch.equal(ssm0, ssm_keep)
+    u = torch.randn(T, 24, generator=g)
+    slot = torch.tensor([1])
+    base = Pool(m, 3, T, g)
+    verify = base.clone()
+    out_multi = verify.steps(m, u, slot, commit=False)
+    assert torch.equal(verify.p.conv, base.p.conv) and torch.equal(verify.p.ssm, base.p.ssm)
     for i in range(T):
-        conv, ssm = conv_keep.clone(), ssm_keep.clone()
-        outs = []
-        for t in range(i + 1):   # i+1 single decode steps, each committing its state
-            o, v1 = m.steps(u[:, t:t + 1], conv, ssm)
-            conv, ssm = Mamba2Mixer.committed_state(conv, v1, torch.zeros(1, dtype=torch.long))
-            outs.append(o)
-        win, st = Mamba2Mixer.committed_state(conv_keep, vs, torch.tensor([i]))
+        dec = base.clone()
+        outs = [dec.steps(m, u[t:t + 1], slot, commit=True) for t in range(i + 1)]
+        com = verify.clone()
+        com.p.commit_verify(slot, torch.tensor([i]))
         # same math; only the in_proj GEMM shape differs ([T,d] vs [1,d]), hence fp32 rounding
-        torch.testing.assert_close(win, conv, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(st, ssm, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(out_multi[:, :i + 1], torch.cat(outs, 1), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(com.p.conv, dec.p.conv, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(com.p.ssm, dec.p.ssm, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out_multi[: i + 1], torch.cat(outs), rtol=1e-5, atol=1e-6)
 
 
 def test_extend_matches_steps_and_writes_state():
     m = _mixer(3)
     g = torch.Generator().manual_seed(4)
     u = torch.randn(7, 24, generator=g)
-    conv0, ssm0 = torch.randn(1, m.conv_dim, 3, generator=g), torch.randn(1, 4, 6, 5, generator=g)
+    pool = Pool(m, 1, 1, g)
+    conv0, ssm0 = pool.p.conv[0].clone(), pool.p.ssm[0].clone()
     out_ext, conv, ssm = m.extend(u[None], conv0, ssm0)     # chunked SSD, chunk 3
-    out_steps, vs = m.steps(u[None], conv0, ssm0)
-    torch.testing.assert_close(out_ext, out_steps, rtol=1e-4, atol=1e-5)
-    win, st = Mamba2Mixer.committed_state(conv0, vs, torch.tensor([6]))
-    torch.testing.assert_close(conv, win)
-    torch.testing.assert_close(ssm, st, rtol=1e-4, atol=1e-5)
+    out_steps = pool.steps(m, u, torch.tensor([0]), commit=True)
+    torch.testing.assert_close(out_ext[0], out_steps, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(conv, pool.p.conv[0])
+    torch.testing.assert_close(ssm, pool.p.ssm[0], rtol=1e-4, atol=1e-5)
 
 
 def test_commit_picks_per_row_index():
     m = _mixer(5)
     g = torch.Generator().manual_seed(6)
-    u = torch.randn(3, 4, 24, generator=g)
-    conv0, ssm0 = torch.randn(3, m.conv_dim, 3, generator=g), torch.randn(3, 4, 6, 5, generator=g)
-    _, vs = m.steps(u, conv0, ssm0)
+    u = torch.randn(3 * 4, 24, generator=g)
+    pool = Pool(m, 4, 4, g)
+    slots = torch.tensor([2, 0, 3])
+    before = pool.clone()
+    pool.steps(m, u, slots, commit=False)
     idx = torch.tensor([0, 3, 1])
-    win, st = Mamba2Mixer.committed_state(conv0, vs, idx)
-    for b, i in enumerate(idx.tolist()):
-        full = torch.cat([conv0[b], vs.xbc[b, : i + 1].t()], dim=1)
-        assert torch.equal(win[b], full[:, -3:])
-        assert torch.equal(st[b], vs.ssm[b, i])
+    pool.p.commit_verify(slots, idx)
+    for b, (s, i) in enumerate(zip(slots.tolist(), idx.tolist())):
+        full = torch.cat([before.p.conv[0, s], pool.p.xbc_scratch[0, s, : i + 1].t()], dim=1)
+        assert torch.equal(pool.p.conv[0, s], full[:, -3:])
+        assert torch.equal(pool.p.ssm[0, s], pool.p.ssm_scratch[0, s, i])
+    assert torch.equal(pool.p.ssm[0, 1], before.p.ssm[0, 1])      # a slot not in the batch

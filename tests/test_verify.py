@@ -14,8 +14,6 @@ from scipy.stats import chisquare
 
 from blockspec.sampling import SamplingParams, Stream, params_to_tensors, target_probs, uniforms
 from blockspec.speculative.accept import (
-    build_out_tokens,
-    committed_tokens,
     greedy_accept,
     rejection_accept,
     verify_block,
@@ -49,6 +47,11 @@ def engine_uniforms(seeds: list[int], counter: int, n: int) -> torch.Tensor:
     """The uniforms the engine hands verify_block for one step (COIN stream, then BONUS)."""
     s, c = torch.tensor(seeds), torch.full((len(seeds),), counter)
     return torch.cat([uniforms(s, c, Stream.COIN, n), uniforms(s, c, Stream.BONUS, 1)], dim=1)
+
+
+def committed_tokens(drafts: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor) -> list[list[int]]:
+    """Per row, the tokens a step commits: drafts[:a] + [bonus] (as the worker assembles them)."""
+    return [row[:a] + [t] for row, a, t in zip(drafts.tolist(), accept_len.tolist(), bonus.tolist())]
 
 
 def random_dist(*shape: int, gen: torch.Generator, sparsity: float = 0.0) -> torch.Tensor:
@@ -397,17 +400,3 @@ def test_verify_block_point_mass_sampled_rows():
     a2, b2 = verify_block(drafts, logits, None, *params_to_tensors(params), engine_uniforms([1, 2, 3], 0, 2))
     assert torch.equal(a1, a2) and torch.equal(b1, b2)
     assert ((a1 >= 0) & (a1 <= 2)).all()
-
-
-# ---------------------------------------------------------------- committed tokens
-
-
-def test_build_out_tokens_matches_committed_tokens():
-    drafts = torch.tensor([[4, 5, 6], [4, 5, 6], [4, 5, 6]])
-    a = torch.tensor([0, 2, 3])
-    bonus = torch.tensor([9, 8, 7])
-    out = build_out_tokens(drafts, a, bonus)
-    assert out.tolist() == [[9, -1, -1, -1], [4, 5, 8, -1], [4, 5, 6, 7]]
-    assert committed_tokens(drafts, a, bonus) == [[9], [4, 5, 8], [4, 5, 6, 7]]
-    for row, toks, ai in zip(out.tolist(), committed_tokens(drafts, a, bonus), a.tolist()):
-        assert row[:ai + 1] == toks

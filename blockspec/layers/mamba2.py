@@ -4,16 +4,14 @@
   writing the new state back;
 * decode: one recurrent step per request, writing the state back;
 * verify: T recurrent steps from the committed state that *do not* overwrite it; the inputs
-  needed to rebuild the conv window and the SSM state after every step are returned so that
-  ``commit`` can adopt the state at the last accepted index.
+  needed to rebuild the conv window and the SSM state after every step go to the pool's verify
+  scratch, from which ``MambaStatePool.commit_verify`` adopts the last accepted index.
 
 The torch code here is the reference (fp32 state and scan math). On CUDA, decode and verify
 steps run as one Triton kernel per layer (``kernels/mamba_step.py``) that reads and writes the
 state pool in place; ``forward_steps`` picks the path.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,15 +21,6 @@ from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.norm import GatedGroupRMSNorm
 from blockspec.models.nemotron_h_config import NemotronHConfig
-
-
-@dataclass
-class MambaVerifyState:
-    """What a verify pass leaves behind for one layer: the pre-conv inputs of every block
-    position ([B, T, conv_dim]) and the SSM state after every position ([B, T, H, P, N])."""
-
-    xbc: torch.Tensor
-    ssm: torch.Tensor
 
 
 def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -157,17 +146,6 @@ class Mamba2Mixer(nn.Module):
         window = torch.cat([conv_state, xbc.transpose(1, 2).to(conv_state.dtype)], dim=2)[..., -keep:]
         return self._out(y, x, z), window, final
 
-    def steps(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
-              ) -> tuple[torch.Tensor, MambaVerifyState]:
-        """u [Bt,T,d] run recurrently from (conv_state [Bt,C,K-1], ssm_state [Bt,H,P,N]),
-        which are left untouched. Returns outputs and the per-step verify state."""
-        z, xbc, dt_raw = self._split(u)
-        conv_out = self._conv(xbc, conv_state)
-        x, Bm, Cm, dt = self._ssm_inputs(conv_out, dt_raw)
-        y, states = ssm_recurrent_steps(x, dt, -torch.exp(self.A_log.float()), Bm, Cm,
-                                        ssm_state.float())
-        return self._out(y, x, z), MambaVerifyState(xbc=xbc, ssm=states)
-
     def forward_steps(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                       slots: torch.Tensor, steps: int, commit: bool,
                       xbc_scratch: torch.Tensor | None = None,
@@ -218,18 +196,3 @@ class Mamba2Mixer(nn.Module):
             xbc_scratch[slots, :T] = xbc.to(xbc_scratch.dtype)
             ssm_scratch[slots, :T] = states
         return y.reshape(B * T, self.d_inner)
-
-    @staticmethod
-    def committed_state(conv_state: torch.Tensor, vs: MambaVerifyState, index: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """States after block position ``index[b]`` (0-based) for each row.
-
-        conv_state [Bt,C,K-1] is the committed window before the block; the window after
-        position i is the last K-1 columns of [window | xbc[:i+1]].
-        """
-        keep = conv_state.shape[-1]
-        full = torch.cat([conv_state, vs.xbc.transpose(1, 2).to(conv_state.dtype)], dim=2)
-        cols = index[:, None] + 1 + torch.arange(keep, device=index.device)[None]   # [Bt,keep]
-        window = torch.gather(full, 2, cols[:, None, :].expand(-1, full.shape[1], -1))
-        ssm = vs.ssm[torch.arange(index.shape[0], device=index.device), index]
-        return window, ssm

@@ -21,8 +21,6 @@ __all__ = [
     "greedy_accept",
     "rejection_accept",
     "verify_block",
-    "committed_tokens",
-    "build_out_tokens",
 ]
 
 
@@ -141,23 +139,3 @@ def verify_block(drafts: torch.Tensor, target_logits: torch.Tensor,
     s_len, s_bonus = rejection_accept(drafts, draft_probs, p, u)
     greedy = temperature.to(dev) <= 0
     return torch.where(greedy, g_len, s_len), torch.where(greedy, g_bonus, s_bonus)
-
-
-def committed_tokens(drafts: torch.Tensor, accept_len: torch.Tensor,
-                     bonus: torch.Tensor) -> list[list[int]]:
-    """Per row, the tokens this step commits: drafts[:a] + [bonus] (host lists)."""
-    d = drafts.tolist()
-    return [row[:a] + [t] for row, a, t in zip(d, accept_len.tolist(), bonus.tolist())]
-
-
-def build_out_tokens(drafts: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor,
-                     pad: int = -1) -> torch.Tensor:
-    """Device-side form of ``committed_tokens``: [B, n+1] with row b = drafts[:a] + [bonus]
-    followed by ``pad`` (default -1, so using an uncommitted slot fails loudly)."""
-    b, n = drafts.shape
-    out = torch.full((b, n + 1), pad, dtype=torch.long, device=drafts.device)
-    pos = torch.arange(n + 1, device=drafts.device)[None, :]
-    a = accept_len.to(drafts.device)[:, None]
-    out[:, :n] = torch.where(pos[:, :n] < a, drafts.long(), out[:, :n])
-    out.scatter_(1, a, bonus.to(drafts.device).long()[:, None])
-    return out
