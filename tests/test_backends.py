@@ -75,3 +75,52 @@ def test_shipped_registry_resolves_everywhere():
     for dev, spec in itertools.product(DEVICES, [False, True]):
         r = resolve(dev, spec, registry=BACKENDS, order=("torch_native",))
         assert r.decode in BACKENDS and (r.draft in BACKENDS if spec else r.draft is None)
+
+
+# ---- the draft attention flag selects the draft's implementation (issue #8 item 3) ----------
+def test_draft_attention_flag_selects_the_draft_implementation(monkeypatch, tmp_path):
+    """--speculative-draft-attention-backend picks the backend the draft's attention runs in,
+    through the same registry as the target's: a recording backend set for the draft alone sees
+    every draft layer (and no target layer), and the output stays target-only exact."""
+    from blockspec import Engine
+    from blockspec.args import BACKENDS
+    from blockspec.attention import base
+    from blockspec.attention.torch_native import TorchNativeAttention
+    from tests.spec_fixtures import draft_config, make_spec_target, write_draft
+
+    calls = []
+
+    class Recording(TorchNativeAttention):
+        name = "recording"
+
+        def attend(self, q, k_cache, v_cache, meta, **kw):
+            calls.append((meta.mode.value, q.shape[1]))
+            return super().attend(q, k_cache, v_cache, meta, **kw)
+
+    monkeypatch.setitem(BACKENDS, "recording", BackendInfo("recording", ("cpu",)))
+    monkeypatch.setitem(base.FACTORIES, "recording", Recording)
+    _, target = make_spec_target(tmp_path, offset=2.0, mix=0.3, pull=3.5)
+    draft = write_draft(tmp_path / "d", draft_config("dflash", hidden=32, vocab=24, target_layers=7,
+                                                     block_size=4), std=0.05)
+    sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    ref = Engine(model_path=str(target), device="cpu").generate(input_ids=[3, 5, 7], sampling_params=sp)
+    e = Engine(model_path=str(target), device="cpu", speculative_algorithm="DFLASH",
+               speculative_draft_model_path=str(draft), speculative_draft_attention_backend="recording")
+    assert e.backends.draft == "recording" and e.backends.decode == "torch_native"
+    assert type(e.drafter.attn) is Recording and type(e.runner.decode_attn) is not Recording
+    out = e.generate(input_ids=[3, 5, 7], sampling_params=sp)
+    assert out["output_ids"] == ref["output_ids"]
+    assert calls and {mode for mode, _ in calls} == {"draft"}
+    assert {heads for _, heads in calls} == {4}                       # the draft's 4 query heads
+    assert len(calls) % 2 == 0                                         # both draft layers, each step
+
+
+def test_draft_attention_flag_refuses_unknown_and_unsuitable_values(tmp_path):
+    from blockspec import Engine
+
+    with pytest.raises(ArgsError, match="unknown attention backend 'nope'"):
+        Engine(device="cpu", speculative_algorithm="DFLASH", speculative_draft_model_path=str(tmp_path),
+               speculative_draft_attention_backend="nope")
+    with pytest.raises(ArgsError, match="'triton' is not available on cpu"):
+        Engine(device="cpu", speculative_algorithm="DFLASH", speculative_draft_model_path=str(tmp_path),
+               speculative_draft_attention_backend="triton")

@@ -71,11 +71,12 @@ class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.args = args = EngineArgs.from_kwargs(model_path=model_path, **kwargs)
         logging.basicConfig(level=args.log_level.upper(), format="[blockspec] %(message)s")
+        self.device = resolve_device(args.device)
+        self._resolve_backends(args.speculative_algorithm)      # bad flags fail before any load
         if args.model_path is None:
             from blockspec.demo import ensure_demo_model
 
             args.model_path = str(ensure_demo_model())
-        self.device = resolve_device(args.device)
         raw = read_config(args.model_path)
         self.dtype = resolve_dtype(args.dtype, raw, self.device)
         model, config = load_target(args.model_path, self.dtype, self.device)
@@ -94,21 +95,24 @@ class Engine:
         logging.basicConfig(level=args.log_level.upper(), format="[blockspec] %(message)s")
         param = next(model.parameters())
         self.device, self.dtype = param.device, model.backbone.norm_f.weight.dtype
+        self._resolve_backends(args.speculative_algorithm or (draft.config.algorithm.upper() if draft else None))
         self._assemble(model, model.cfg, tokenizer, draft=draft)
         return self
 
-    def _assemble(self, model: NemotronHForCausalLM, config: NemotronHConfig,
-                  tokenizer: Tokenizer | None, draft: Any) -> None:
-        """Caches, runner, drafter, scheduler and the engine loop around a loaded target."""
+    def _resolve_backends(self, speculative: str | None) -> None:
         args = self.args
-        self.model, self.config, self.tokenizer = model, config, tokenizer
-        speculative = args.speculative_algorithm or (draft.config.algorithm.upper() if draft else None)
         self.backends = resolve_attention_backends(
             device_info(self.device), attention_backend=args.attention_backend,
             prefill_attention_backend=args.prefill_attention_backend,
             decode_attention_backend=args.decode_attention_backend,
             speculative_draft_attention_backend=args.speculative_draft_attention_backend,
             speculative_algorithm=speculative, available=available_modules())
+
+    def _assemble(self, model: NemotronHForCausalLM, config: NemotronHConfig,
+                  tokenizer: Tokenizer | None, draft: Any) -> None:
+        """Caches, runner, drafter, scheduler and the engine loop around a loaded target."""
+        args = self.args
+        self.model, self.config, self.tokenizer = model, config, tokenizer
         self.memory = MemoryManager(
             cache_layout(config), max_total_tokens=args.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS,
             max_requests=args.max_running_requests, page_size=args.page_size, dtype=self.dtype,
