@@ -11,7 +11,7 @@ for stage in "$@"; do
 case "$stage" in
 tests)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-  timeout 200 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_engine.py \
+  timeout 170 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_engine.py \
       tests/test_moe_grouped.py tests/test_kernels.py -q -p no:cacheprovider \
       -o addopts="" -rf 2>&1 | tail -60 > "$OUT/gpu_tests.log"; tail -15 "$OUT/gpu_tests.log"
   ;;
@@ -30,6 +30,13 @@ mini)
       --batch-size 1 --compare-eager 2>>"$OUT/stderr.log"
   timeout 60 $B --preset lightning-mini --random-draft dspark --speculative-num-draft-tokens 4 \
       --batch-size 1 --compare-eager 2>>"$OUT/stderr.log"
+  ;;
+simulate)
+  # published Lightning acceptance, simulated: DFlash width 6 at tau 4.2, DSpark gamma 3 at 3.7
+  timeout 60 $B --preset lightning-mini --random-draft dflash --speculative-num-draft-tokens 6 \
+      --simulate-accept-length 4.2 --batch-size 1,8 2>>"$OUT/stderr.log"
+  timeout 60 $B --preset lightning-mini --random-draft dspark --speculative-num-draft-tokens 4 \
+      --simulate-accept-length 3.7 --batch-size 1,8 2>>"$OUT/stderr.log"
   ;;
 full)
   timeout 400 $B --preset nemotron-3.5-lightning --batch-size 1,4,16,64 --output-len 32 \
