@@ -39,10 +39,13 @@ simulate)
       --simulate-accept-length 3.7 --batch-size 1,8 2>>"$OUT/stderr.log"
   ;;
 full)
-  timeout 400 $B --preset nemotron-3.5-lightning --batch-size 1,4,16,64 --output-len 32 \
-      --compare-transformers 2>>"$OUT/stderr.log"
-  timeout 300 $B --preset nemotron-3.5-lightning --quantized --batch-size 1,4,16,64 \
-      --output-len 32 2>>"$OUT/stderr.log"
+  timeout 250 $B --preset nemotron-3.5-lightning --batch-size 1,4,16,64 --output-len 32 \
+      --repeats 2 --compare-transformers 2>>"$OUT/stderr.log"
+  timeout 150 $B --preset nemotron-3.5-lightning --quantized --batch-size 1,4,16,64 \
+      --output-len 32 --repeats 2 2>>"$OUT/stderr.log"
+  timeout 45 $B --preset lightning-mini --random-draft dspark --speculative-num-draft-tokens 4 \
+      --batch-size 1 2>>"$OUT/stderr.log"
+  timeout 45 $B --preset lightning-mini --batch-size 1 2>>"$OUT/stderr.log"
   ;;
 esac
 done

@@ -131,6 +131,9 @@ def test_greedy_walk_equals_step_by_step_argmax(head_type):
     tokens, q = run_markov_block(head, base, hidden, anchor, torch.zeros(b), greedy_only=True)
     t2, q2 = run_markov_block(head, base, hidden, anchor, torch.zeros(b), torch.rand(b, gamma))
     assert torch.equal(t2, tokens) and torch.equal(q2, q)    # greedy rows ignore their uniforms
+    t3, q3 = run_markov_block(head, base, hidden, anchor, torch.zeros(b), greedy_only=True,
+                              with_probs=False)
+    assert torch.equal(t3, tokens) and q3 is None
     prev, state = anchor, None
     for k in range(gamma):
         bias, state = head.step(prev, hidden[:, k], state)

@@ -143,18 +143,23 @@ def transformers_decode(model_path: str | None, preset_cfg: dict | None, device:
     preset (timing does not depend on the values), the folder's weights otherwise."""
     import transformers
 
+    import gc
+
+    gc.collect()
     if model_path is not None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(device)
     else:
         from transformers import NemotronHConfig, NemotronHForCausalLM
 
-        cfg = dict(preset_cfg)
+        cfg = {k: v for k, v in preset_cfg.items() if k not in ("architectures", "model_type", "dtype")}
         pattern = cfg.pop("hybrid_override_pattern")
         names = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
-        cfg = NemotronHConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "dtype")},
-                              layers_block_type=[names[c] for c in pattern])
+        try:
+            hf_cfg = NemotronHConfig(**cfg, layers_block_type=[names[c] for c in pattern])
+        except (TypeError, ValueError):            # an older transformers: the legacy spelling
+            hf_cfg = NemotronHConfig(**cfg, hybrid_override_pattern=pattern)
         with torch.device(device):
-            hf = NemotronHForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+            hf = NemotronHForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16)
     hf.eval()
     g = torch.Generator().manual_seed(batch)
     ids = torch.randint(3, hf.config.vocab_size, (batch, args.input_len), generator=g).to(device)
@@ -218,8 +223,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         if dtype != torch.bfloat16 or args.quantized:
             raise ValueError("--compare-transformers compares the bf16 model")
         for batch in batches[:1]:
-            hf = {**base, **transformers_decode(args.model_path, cfg_dict, device, batch, args,
-                                                min(args.output_len, 16))}
+            try:
+                hf = {**base, **transformers_decode(args.model_path, cfg_dict, device, batch, args,
+                                                    min(args.output_len, 16))}
+            except Exception as e:      # noqa: BLE001 - report it; the other rows stand
+                hf = {**base, "engine": "transformers", "error": f"{type(e).__name__}: {e}"[:300]}
+                results.append(hf)
+                print(json.dumps(hf), flush=True)
+                continue
             ours = next(r for r in results if r["batch_size"] == batch and r["cuda_graph"] == (graphs is not None))
             hf["blockspec_speedup"] = round(hf["step_ms"] / ours["step_ms"] * ours["accept_length"], 2)
             results.append(hf)

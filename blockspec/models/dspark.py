@@ -124,7 +124,8 @@ def build_markov_head(cfg: DraftConfig, quant: QuantPlan | None = None,
 
 def run_markov_block(head: MarkovHead, base_logits: torch.Tensor, hidden: torch.Tensor,
                      anchor: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor | None = None,
-                     *, greedy_only: bool = False, return_logits: bool = False):
+                     *, greedy_only: bool = False, return_logits: bool = False,
+                     with_probs: bool = True):
     """Sequential DSpark walk over one block.
 
     base_logits ``[B, γ, V]``, hidden ``[B, γ, H]``, anchor ``[B]``, temperature ``[B]``
@@ -136,7 +137,8 @@ def run_markov_block(head: MarkovHead, base_logits: torch.Tensor, hidden: torch.
     ``greedy_only`` (a host-side promise) skips the softmax.
 
     Returns ``(tokens [B, γ] long, draft_probs [B, γ, V] fp32)`` and, with
-    ``return_logits=True``, also the corrected logits ``[B, γ, V]`` fp32.
+    ``return_logits=True``, also the corrected logits ``[B, γ, V]`` fp32. ``with_probs=False``
+    (greedy verification needs no q) returns None for the probabilities and skips writing them.
     """
     if base_logits.dim() != 3 or hidden.dim() != 3 or hidden.shape[:2] != base_logits.shape[:2]:
         raise ValueError(f"run_markov_block: base_logits {tuple(base_logits.shape)} and hidden "
@@ -151,7 +153,7 @@ def run_markov_block(head: MarkovHead, base_logits: torch.Tensor, hidden: torch.
                          f"got {None if u is None else tuple(u.shape)}")
 
     tokens = torch.empty(b, gamma, dtype=torch.long, device=dev)
-    probs_out = torch.empty(b, gamma, v, dtype=torch.float32, device=dev)
+    probs_out = torch.empty(b, gamma, v, dtype=torch.float32, device=dev) if with_probs else None
     logits_out = torch.empty(b, gamma, v, dtype=torch.float32, device=dev) if return_logits else None
     prev = anchor.to(dev).long().reshape(b)
     state = None
@@ -162,11 +164,10 @@ def run_markov_block(head: MarkovHead, base_logits: torch.Tensor, hidden: torch.
         if not greedy_only:
             probs = torch.softmax(logits / temp, dim=-1)
             tok = torch.where(greedy[:, 0], tok, inverse_cdf_sample(probs, u[:, k]))
-        q = torch.zeros(b, v, dtype=torch.float32, device=dev).scatter_(1, tok[:, None], 1.0)
-        if not greedy_only:
-            q = torch.where(greedy, q, probs)
         tokens[:, k] = tok
-        probs_out[:, k] = q
+        if probs_out is not None:
+            q = torch.zeros(b, v, dtype=torch.float32, device=dev).scatter_(1, tok[:, None], 1.0)
+            probs_out[:, k] = q if greedy_only else torch.where(greedy, q, probs)
         if logits_out is not None:
             logits_out[:, k] = logits
         prev = tok
@@ -188,6 +189,8 @@ class DSparkDraftModel(DFlashDraftModel):
 
     def markov_walk(self, base_logits: torch.Tensor, hidden: torch.Tensor, anchor: torch.Tensor,
                     temperature: torch.Tensor, u: torch.Tensor | None = None, *,
-                    greedy_only: bool = False, return_logits: bool = False):
+                    greedy_only: bool = False, return_logits: bool = False,
+                    with_probs: bool = True):
         return run_markov_block(self.markov_head, base_logits, hidden, anchor, temperature, u,
-                                greedy_only=greedy_only, return_logits=return_logits)
+                                greedy_only=greedy_only, return_logits=return_logits,
+                                with_probs=with_probs)

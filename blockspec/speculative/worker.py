@@ -80,7 +80,7 @@ class SpecWorker:
         if self.is_dspark:
             u_draft = None if greedy_only else uniforms(inp["seed"], inp["verify_ctr"], Stream.DRAFT, self.gamma)
             drafts, q = draft.markov_walk(base, h, anchor, inp["temperature"], u_draft,
-                                          greedy_only=greedy_only)
+                                          greedy_only=greedy_only, with_probs=not greedy_only)
         else:
             drafts, q = base.argmax(-1), None        # argmax drafting: q is a point mass
 
