@@ -19,15 +19,16 @@ if TYPE_CHECKING:
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                     scale: float, sink: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, sink: torch.Tensor | None = None, impl: str = "sdpa") -> torch.Tensor:
     """q [B, Q, Hq, D], k/v [B, L, Hkv, D], allowed [B, Q, L] -> [B, Q, Hq, D] in q's dtype.
 
-    Without a sink: SDPA with GQA (no per-head copies of K/V). With a sink [Hq]: scores and
-    softmax in fp32 with the sink as one extra logit per head that carries no value."""
+    ``impl="sdpa"`` without a sink: SDPA with GQA (no per-head copies of K/V). Otherwise (a sink
+    [Hq], or ``impl="eager"``): scores and softmax in fp32, the sink as one extra logit per head
+    that carries no value."""
     b, nq, nh, d = q.shape
     nkv = k.shape[2]
     rep = nh // nkv
-    if sink is None:
+    if sink is None and impl == "sdpa":
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
             attn_mask=allowed[:, None], scale=scale, enable_gqa=rep > 1)
@@ -37,8 +38,11 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     vf = v.float().permute(0, 2, 1, 3).unsqueeze(2)
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale                   # [B,kv,rep,Q,L]
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    s = sink.float().reshape(1, nkv, rep, 1, 1).expand(b, nkv, rep, nq, 1)
-    probs = torch.softmax(torch.cat((scores, s), dim=-1), dim=-1)[..., :-1]
+    if sink is not None:
+        s = sink.float().reshape(1, nkv, rep, 1, 1).expand(b, nkv, rep, nq, 1)
+        probs = torch.softmax(torch.cat((scores, s), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, vf)                                              # [B,kv,rep,Q,d]
     return out.permute(0, 3, 1, 2, 4).reshape(b, nq, nh, d).to(q.dtype)
 

@@ -102,33 +102,12 @@ class DraftEmbedding(nn.Module):
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                     scale: float, sink: torch.Tensor | None = None,
                     impl: str = "eager") -> torch.Tensor:
-    """GQA attention of block queries over context+block keys.
+    """GQA attention of block queries over context+block keys (the dense path): q [B, Q, n_h, d],
+    k/v [B, L, n_kv, d], allowed [B, Q, L], sink [n_h]. The same math as the reference
+    attention backend (``attention.torch_native.masked_attention``)."""
+    from blockspec.attention.torch_native import masked_attention
 
-    q ``[B, Q, n_h, d]``, k/v ``[B, L, n_kv, d]``, allowed ``[B, Q, L]`` bool,
-    sink ``[n_h]`` (fp32): an extra per-head logit with no value (softmax denominator only).
-    Query head ``h`` reads kv head ``h // (n_h // n_kv)``.  Scores and softmax are fp32 in the
-    eager path; returns ``[B, Q, n_h, d]`` in q's dtype.
-    """
-    b, nq, nh, d = q.shape
-    nkv = k.shape[2]
-    rep = nh // nkv
-    if impl == "sdpa" and sink is None:
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-            attn_mask=allowed[:, None], scale=scale, enable_gqa=rep > 1)
-        return out.transpose(1, 2)
-    qf = q.float().reshape(b, nq, nkv, rep, d).permute(0, 2, 3, 1, 4)       # [B,kv,rep,Q,d]
-    kf = k.float().permute(0, 2, 1, 3).unsqueeze(2)                           # [B,kv,1,L,d]
-    vf = v.float().permute(0, 2, 1, 3).unsqueeze(2)
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale                   # [B,kv,rep,Q,L]
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    if sink is not None:
-        s = sink.float().reshape(1, nkv, rep, 1, 1).expand(b, nkv, rep, nq, 1)
-        probs = torch.softmax(torch.cat((scores, s), dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vf)                                              # [B,kv,rep,Q,d]
-    return out.permute(0, 3, 1, 2, 4).reshape(b, nq, nh, d).to(q.dtype)
+    return masked_attention(q, k, v, allowed, scale, sink, impl)
 
 
 def build_attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor,

@@ -101,7 +101,7 @@ def main(ns: argparse.Namespace) -> int:
     from blockspec.train.draft_layout import decay_gamma
     from blockspec.train.draft_objective import draft_loss, sample_anchors
     from blockspec.train.loop import (Budget, Reporter, adamw, autocast, configure_backends,
-                                      load_state, lr_at, optimizer_step, pick_device, save_state,
+                                      lr_at, optimizer_step, pick_device, resume, save_state,
                                       set_lr)
 
     t_start = time.monotonic()
@@ -138,14 +138,7 @@ def main(ns: argparse.Namespace) -> int:
     order = BatchOrder(seqs.lengths.tolist(), ns.batch_size, ns.seed)
     gen = torch.Generator().manual_seed(ns.seed)
     if ns.resume:
-        st = load_state(out)
-        if st.get("config") != cfg_dict:
-            raise ValueError(f"--resume: {out} was trained with another draft config")
-        draft.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        order.restore(st["order"])
-        gen.set_state(st["anchor_rng"])
-        budget.elapsed, budget.step = st["elapsed"], st["step"]
+        gen.set_state(resume(out, cfg_dict, "draft", draft, opt, order, budget)["anchor_rng"])
     n_params = sum(p.numel() for _, p in params)
     print(f"[train-draft] {ns.algorithm} {ns.layout} verify width {cfg.gamma + 1} "
           f"(gamma {cfg.gamma}, {cfg.query_len} query rows), target layers "

@@ -21,12 +21,10 @@ STATE_FILE = "train_state.pt"
 
 
 def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"--device {name}: CUDA is not available")
-    return dev
+    """The engine's device rule (auto = cuda when available), for the trainers' --device."""
+    from blockspec.engine.engine import resolve_device
+
+    return resolve_device(name)
 
 
 def autocast(device: torch.device):
@@ -128,6 +126,19 @@ def load_state(folder: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"--resume: no {STATE_FILE} in {folder}")
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def resume(folder: Path, config: dict, what: str, model: torch.nn.Module, opt, order, budget) -> dict:
+    """Restore a run saved by ``save_state`` (refusing one trained with another config):
+    weights, optimizer, data order and elapsed budget. Returns the state for extra fields."""
+    st = load_state(folder)
+    if st.get("config") != config:
+        raise ValueError(f"--resume: {folder} was trained with another {what} config")
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optimizer"])
+    order.restore(st["order"])
+    budget.elapsed, budget.step = st["elapsed"], st["step"]
+    return st
 
 
 class Reporter:

@@ -100,7 +100,7 @@ def main(ns: argparse.Namespace) -> int:
 
     from blockspec.train.data import BatchOrder, encode_rows, pad_batch
     from blockspec.train.loop import (Budget, Reporter, adamw, autocast, configure_backends,
-                                      load_state, lr_at, optimizer_step, pick_device, save_state,
+                                      lr_at, optimizer_step, pick_device, resume, save_state,
                                       set_lr)
     from blockspec.train.target_model import (RouterBalancer, build_target, forward_hidden,
                                               hf_config, save_target)
@@ -126,13 +126,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.init_from:
         _init_from(model, cfg, Path(ns.init_from))
     if ns.resume:
-        st = load_state(out)
-        if st.get("config") != cfg:
-            raise ValueError(f"--resume: {out} was trained with another model config")
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        order.restore(st["order"])
-        budget.elapsed, budget.step = st["elapsed"], st["step"]
+        resume(out, cfg, "model", model, opt, order, budget)
     print(f"[train-target] {ns.size} pattern {spec['pattern']} vocab {vocab}: "
           f"{n_params / 1e6:.2f}M params; {len(seqs)} sequences; device {dev}; "
           f"setup {time.monotonic() - t_start:.1f}s", flush=True)
