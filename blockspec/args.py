@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 SPEC_ALGORITHMS = ("DFLASH", "DSPARK")
+SPEC_OFF = "NONE"           # --speculative-algorithm NONE: speculation off (also "off", None)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -129,8 +130,9 @@ class EngineArgs:
     ``name: type = arg(default, "one line of help")``; tests check every field has help."""
 
     model_path: str | None = arg(
-        None, "model folder (config.json, *.safetensors, tokenizer.json); default: the random-weight "
-              "demo model, created on first use under $BLOCKSPEC_CACHE or ~/.cache/blockspec")
+        None, "model folder (config.json, *.safetensors, tokenizer.json); default: the trained demo "
+              "family shipped in the package (blockspec/demo_family: its target, with DFLASH on "
+              "unless --speculative-algorithm says otherwise)")
     tokenizer_path: str | None = arg(None, "folder with tokenizer.json; default: the model folder")
     dtype: str = arg("auto", "compute dtype; auto: float32 on CPU, the checkpoint's dtype on GPU",
                      choices=(*DTYPES, *DTYPE_ALIASES))
@@ -148,9 +150,10 @@ class EngineArgs:
                                                 choices=attention_backend_choices)
     decode_attention_backend: str | None = arg(None, "decode attention; default: --attention-backend",
                                                choices=attention_backend_choices)
-    speculative_algorithm: str | None = arg(None, "block speculative decoding (needs "
-                                                  "--speculative-draft-model-path); default: off",
-                                            choices=SPEC_ALGORITHMS)
+    speculative_algorithm: str | None = arg(
+        None, "block speculative decoding (needs --speculative-draft-model-path, except with the "
+              "demo family); NONE turns it off; default: off with --model-path, DFLASH with the "
+              "demo family", choices=(*SPEC_ALGORITHMS, SPEC_OFF))
     speculative_draft_model_path: str | None = arg(None, "DFlash/DSpark draft checkpoint folder")
     speculative_num_draft_tokens: int | None = arg(None, "verify block width (>= 2, anchor "
                                                          "included); default: the draft's block_size")
@@ -181,11 +184,14 @@ class EngineArgs:
             raise ArgsError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ArgsError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.speculative_algorithm is not None and \
+                str(self.speculative_algorithm).upper() in (SPEC_OFF, "OFF"):
+            self.speculative_algorithm = None
         if self.speculative_algorithm is not None:
             algo = self.speculative_algorithm.upper()
             if algo not in SPEC_ALGORITHMS:
-                raise ArgsError(f"speculative_algorithm must be one of {', '.join(SPEC_ALGORITHMS)}, "
-                                f"got {self.speculative_algorithm!r}")
+                raise ArgsError(f"speculative_algorithm must be one of {', '.join(SPEC_ALGORITHMS)} "
+                                f"or {SPEC_OFF} (off), got {self.speculative_algorithm!r}")
             self.speculative_algorithm = algo
             if not self.speculative_draft_model_path:
                 raise ArgsError(f"speculative_algorithm={algo} needs speculative_draft_model_path")

@@ -114,7 +114,8 @@ def _generate_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--chat", action="store_true",
                    help="send each prompt as a user message through the tokenizer's chat template")
     s = g.add_argument_group("sampling (the API's sampling_params)")
-    s.add_argument("--max-new-tokens", type=int, default=32, help="most tokens generated per prompt")
+    s.add_argument("--max-new-tokens", type=int, default=128,
+                   help="most tokens generated per prompt (the API's default too)")
     s.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature, 0 = greedy (default: 0.0 here; the API's "
                         "default is 1.0)")
@@ -154,8 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
                               formatter_class=_HelpFormatter)
 
     g = command("generate", "generate from one or more prompts",
-                "Generate from one or more prompts. Without --model-path the random-weight demo "
-                "model is used (its text is noise). Sampling is greedy unless --temperature > 0.")
+                "Generate from one or more prompts. Without --model-path the trained demo family "
+                "shipped in the package is used (a small Nemotron-H that answers GSM8K-style math "
+                "word problems), with DFLASH on: --speculative-algorithm DSPARK picks its DSpark "
+                "draft, NONE turns speculation off. With speculation the accept length is printed "
+                "on stderr. Sampling is greedy unless --temperature > 0.")
     _generate_flags(g)
     engine_flags(g)
     b = command("bench", "decode benchmark: tok/s, step time, achieved GB/s",
@@ -223,11 +227,13 @@ def _generate(ns: argparse.Namespace) -> int:
     from blockspec.progress import TokenProgress
 
     if engine_kwargs["model_path"] is None:
-        from blockspec.demo import demo_model_dir, ensure_demo_model
+        from blockspec.demo_family import demo_engine_kwargs, describe
 
-        print(f"blockspec: no --model-path: using the random-weight demo model at "
-              f"{demo_model_dir()} (its text is noise)", file=sys.stderr, flush=True)
-        engine_kwargs["model_path"] = str(ensure_demo_model())
+        path, engine_kwargs = demo_engine_kwargs(engine_kwargs.pop("model_path"), engine_kwargs)
+        algo, draft = engine_kwargs["speculative_algorithm"], engine_kwargs.get(
+            "speculative_draft_model_path")
+        print(f"blockspec: {describe(path, algo, draft)}", file=sys.stderr, flush=True)
+        engine_kwargs["model_path"] = path
     engine = Engine(**engine_kwargs)
     progress = TokenProgress(enabled=ns.verbose or sys.stderr.isatty())
     engine.on_step = progress
@@ -243,9 +249,24 @@ def _generate(ns: argparse.Namespace) -> int:
             outs = engine.generate(prompt=texts, sampling_params=sp, return_logprob=ns.return_logprob)
     finally:
         progress.close()
+        width = engine.verify_width
         engine.shutdown()
     _print_results(outs, ns, show_ids=engine.tokenizer is None)
+    summary = _spec_summary(outs, engine.args.speculative_algorithm, width)
+    if summary and not ns.json:                     # JSON carries it in meta_info
+        print(f"blockspec: {summary}", file=sys.stderr)
     return 0
+
+
+def _spec_summary(outs: list[dict], algorithm: str | None, width: int) -> str | None:
+    """``DFLASH accept length 4.12 (...)``: tokens committed per verify over all prompts."""
+    metas = [o["meta_info"] for o in outs if o["meta_info"].get("spec_verify_ct")]
+    if not metas:
+        return None
+    verifies = sum(m["spec_verify_ct"] for m in metas)
+    accept = sum(m["spec_accept_length"] * m["spec_verify_ct"] for m in metas) / verifies
+    return (f"{algorithm} accept length {accept:.2f} (tokens committed per verify, bonus "
+            f"included; {verifies} verifies, verify width {width})")
 
 
 def _print_results(outs: list[dict], ns: argparse.Namespace, show_ids: bool) -> None:
@@ -288,19 +309,54 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": _generate, "bench": _bench, "quantize": _quantize, "serve": _serve}
 
 
+class _Sigint:
+    """SIGINT as Python's default handler (KeyboardInterrupt), remembering that it came: a
+    KeyboardInterrupt raised inside a torch or safetensors call can surface as another error
+    (``could not determine the shape of object type ...``), which is then still an interrupt."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self.previous: Any = None
+
+    def __call__(self, sig: int, frame: Any) -> None:
+        self.hit = True
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> "_Sigint":
+        import signal
+        import threading
+
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self.previous = signal.signal(signal.SIGINT, self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous is not None:
+            import signal
+
+            signal.signal(signal.SIGINT, self.previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     name = "blockspec"
-    try:
-        ns = build_parser().parse_args(argv)
-        name = f"blockspec {ns.command}"
-        handler = getattr(ns, "handler", None) or COMMANDS[ns.command]
-        return handler(ns)
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted", file=sys.stderr)
-        return 130
-    except (ValueError, RuntimeError, OSError, KeyError) as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
-        return 2
+    with _Sigint() as sigint:
+        try:
+            ns = build_parser().parse_args(argv)
+            name = f"blockspec {ns.command}"
+            handler = getattr(ns, "handler", None) or COMMANDS[ns.command]
+            return handler(ns)
+        except KeyboardInterrupt:
+            print(f"{name}: interrupted", file=sys.stderr)
+            return 130
+        except Exception as e:
+            if sigint.hit:                               # an interrupt torch turned into an error
+                print(f"{name}: interrupted", file=sys.stderr)
+                return 130
+            if not isinstance(e, (ValueError, RuntimeError, OSError, KeyError)):
+                raise
+            print(f"{name}: error: {e}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -1,13 +1,10 @@
-"""The embedded default model: a tiny Nemotron-H (M*ME layout) with random weights and a
-byte-level tokenizer, created on first use so ``blockspec generate`` runs on a bare machine.
-Its text is noise; it exists to exercise the whole path until a trained demo family ships."""
+"""A tiny Nemotron-H (M*ME layout) with random weights and a byte-level tokenizer, written to a
+folder on request: the model the tests build their engines on and the bench's ``tiny`` preset.
+Its text is noise. The model a user gets without ``--model-path`` is the trained demo family
+(``blockspec/demo_family``), which needs no writes at all."""
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -15,9 +12,7 @@ from safetensors.torch import save_file
 
 from blockspec.models.nemotron_h import NemotronHForCausalLM
 from blockspec.models.nemotron_h_config import NemotronHConfig
-from blockspec.staged_dir import TMP_MARK, staged_dir
 
-DEMO_NAME = "demo-tiny"
 SPECIALS = ["<pad>", "<s>", "</s>"]
 DEMO_CONFIG = {
     "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
@@ -29,15 +24,6 @@ DEMO_CONFIG = {
     "intermediate_size": 64, "routed_scaling_factor": 2.5, "tie_word_embeddings": False,
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "dtype": "float32",
 }
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("BLOCKSPEC_CACHE") or Path.home() / ".cache" / "blockspec"
-    return Path(root)
-
-
-def demo_model_dir(root: Path | None = None) -> Path:
-    return (root or default_cache_dir()) / DEMO_NAME
 
 
 def random_state(model: NemotronHForCausalLM, seed: int) -> dict[str, torch.Tensor]:
@@ -86,40 +72,4 @@ def write_demo_model(folder: Path, seed: int = 0) -> Path:
         "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<s>assistant: {% endif %}"}, indent=1))
     (folder / "config.json").write_text(json.dumps(DEMO_CONFIG, indent=1))
-    return folder
-
-
-@contextlib.contextmanager
-def _locked(lock_file: Path) -> Iterator[None]:
-    """An exclusive advisory lock between processes. Where fcntl does not exist it is a no-op:
-    concurrent first runs then each write a staged copy and the last rename wins."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(lock_file, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def ensure_demo_model(root: Path | None = None) -> Path:
-    """The demo model folder, written on first use. Concurrent first runs are safe: one process
-    at a time writes (a lock file next to the folder) into a staged folder that is renamed into
-    place whole, so readers see no folder or a complete one; leftovers of killed writers are
-    swept under the lock."""
-    folder = demo_model_dir(root)
-    if (folder / "config.json").is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(folder.parent / f".{DEMO_NAME}.lock"):
-        if (folder / "config.json").is_file():       # another process finished it meanwhile
-            return folder
-        for stale in folder.parent.glob(f"{DEMO_NAME}{TMP_MARK}*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        with staged_dir(folder) as tmp:              # replaces an incomplete folder, if any
-            write_demo_model(tmp)
     return folder

@@ -17,6 +17,9 @@ from blockspec import args as args_mod
 from blockspec import demo
 from blockspec.args import EngineArgs
 from blockspec.cli import _HelpFormatter, build_parser, main
+from blockspec.demo_family import EXAMPLE_QUESTION, FAMILY_DIR
+from blockspec.eval.answers import gold_answer
+from blockspec.eval.gsm8k import DEFAULT_DATA
 
 QUANT_FIX = Path(__file__).parent / "fixtures" / "modelopt" / "dense"
 
@@ -70,8 +73,15 @@ def test_engine_args_carry_their_help_and_registry_choices(monkeypatch):
     gen = _subparsers(build_parser())["generate"]
     by_flag = {a.option_strings[0]: a for a in gen._actions if a.option_strings}
     assert "test_backend" in by_flag["--attention-backend"].choices
-    assert tuple(by_flag["--speculative-algorithm"].choices) == args_mod.SPEC_ALGORITHMS
+    assert tuple(by_flag["--speculative-algorithm"].choices) == (*args_mod.SPEC_ALGORITHMS, "NONE")
     assert by_flag["--speculative-algorithm"].type("dspark") == "DSPARK"
+    assert by_flag["--speculative-algorithm"].type("none") == "NONE"
+    # NONE (or "off") is speculation off, draft path or not
+    assert EngineArgs.from_kwargs(model_path="m", speculative_algorithm="NONE").speculative_algorithm is None
+    assert EngineArgs.from_kwargs(model_path="m", speculative_algorithm="off",
+                                  speculative_draft_model_path="d").speculative_algorithm is None
+    with pytest.raises(args_mod.ArgsError, match="DFLASH, DSPARK or NONE"):
+        EngineArgs.from_kwargs(model_path="m", speculative_algorithm="eagle")
 
 
 def test_bench_flag_choices_match_the_bench():
@@ -154,23 +164,93 @@ def test_several_prompts_run_as_one_batch(model, capsys, tmp_path):
     assert len(metas) == 2 and all(m["completion_tokens"] == 4 and m["e2e_latency"] > 0 for m in metas)
 
 
-def test_ctrl_c_exits_130_with_one_line_and_no_partial_files(tmp_path):
-    env = {**os.environ, "BLOCKSPEC_CACHE": str(tmp_path / "cache")}
+@pytest.mark.parametrize("when", ["loading", "generating"])
+def test_ctrl_c_exits_130_with_one_line_and_no_partial_files(tmp_path, when):
+    """Ctrl-C while the demo family loads (0.5 s after the notice) and mid-generation (once the
+    --verbose progress bar shows, 3 s into a 900-token run): one line, exit 130, nothing
+    written anywhere."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "BLOCKSPEC_CACHE": str(tmp_path / "cache"), "HOME": str(home)}
     p = subprocess.Popen([sys.executable, "-m", "blockspec", "generate", "--input-ids", "1,2,3",
-                          "--max-new-tokens", "30000", "--ignore-eos", "--device", "cpu"],
+                          "--max-new-tokens", "900", "--ignore-eos", "--device", "cpu",
+                          *(["--verbose"] if when == "generating" else [])],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         notice = p.stderr.readline()               # printed once torch is imported
-        assert "random-weight demo model at" in notice, notice
-        time.sleep(0.5)
+        assert f"demo family's target {FAMILY_DIR / 'target'} (DFLASH on" in notice, notice
+        if when == "loading":
+            time.sleep(0.5)
+        else:
+            assert p.stderr.read(1), "no progress bar"   # the bar's first character
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
     finally:
         p.kill()
     assert p.returncode == 130, err
-    assert [ln for ln in err.splitlines() if ln.strip()] == ["blockspec generate: interrupted"]
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip()]
+    assert lines[-1] == "blockspec generate: interrupted", err
+    if when == "loading":
+        assert lines == ["blockspec generate: interrupted"], err
+    else:
+        assert all("tok" in ln for ln in lines[:-1]), err          # the progress bar only
     assert out == ""
-    assert not list((tmp_path / "cache").glob("*.tmp*"))
+    assert not (tmp_path / "cache").exists() and not list(home.iterdir())   # nothing written
+
+
+def test_an_interrupt_torch_turns_into_an_error_still_exits_130(monkeypatch, capsys):
+    """A KeyboardInterrupt raised inside a torch call can come out as another exception (``could
+    not determine the shape of object type 'torch.storage.UntypedStorage'``, seen while the
+    family loaded): after a SIGINT that is an interrupt, not an error."""
+    import blockspec.cli as cli
+
+    def converted(ns):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            raise RuntimeError("could not determine the shape of object type 'X'") from None
+        return 0
+
+    def plain(ns):
+        raise RuntimeError("a real error")
+
+    before = signal.getsignal(signal.SIGINT)
+    argv = ("quantize", "--model-path", "a", "--output", "b", "--quant-algo", "fp8")
+    monkeypatch.setitem(cli.COMMANDS, "quantize", converted)
+    assert _run(capsys, *argv)[::2] == (130, "blockspec quantize: interrupted\n")
+    monkeypatch.setitem(cli.COMMANDS, "quantize", plain)
+    assert _run(capsys, *argv)[::2] == (2, "blockspec quantize: error: a real error\n")
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_generate_without_model_path_answers_with_the_demo_family(capsys):
+    """The README's first command: the demo family answers a shipped test question, speculation
+    on, and the accept length is printed; DSPARK picks the DSpark draft, NONE turns it off, and
+    the answer is the same every time (greedy, lossless)."""
+    row = json.loads(DEFAULT_DATA.read_text().splitlines()[0])
+    assert row["question"] == EXAMPLE_QUESTION and gold_answer(row["answer"]) == "147"
+    runs = {}
+    for algo in (None, "DSPARK", "NONE"):
+        rc, out, err = _run(capsys, "generate", EXAMPLE_QUESTION, "--device", "cpu",
+                            *(("--speculative-algorithm", algo) if algo else ()))
+        assert rc == 0, err
+        assert out.rstrip().endswith("#### 147"), out
+        lines = err.splitlines()
+        assert lines[0].startswith(f"blockspec: no --model-path: using the demo family's target "
+                                   f"{FAMILY_DIR / 'target'} ("), err
+        runs[algo] = out, lines
+    (out, lines), (sout, slines), (nout, nlines) = runs[None], runs["DSPARK"], runs["NONE"]
+    assert out == sout == nout
+    assert f"(DFLASH on, draft {FAMILY_DIR / 'dflash'})" in lines[0]
+    assert f"(DSPARK on, draft {FAMILY_DIR / 'dspark'})" in slines[0]
+    assert "(speculation off)" in nlines[0] and len(nlines) == 1      # no accept-length line
+    for algo, ls in (("DFLASH", lines), ("DSPARK", slines)):
+        assert len(ls) == 2 and ls[1].startswith(f"blockspec: {algo} accept length "), ls
+        assert ls[1].endswith("verify width 8)"), ls
+        assert float(ls[1].split("accept length ")[1].split()[0]) > 2.0, ls   # drafts accepted
+    meta = _json(capsys, "generate", EXAMPLE_QUESTION, "--device", "cpu")["meta_info"]
+    assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 2.0
 
 
 # ---- quantize ---------------------------------------------------------------------------------

@@ -78,3 +78,21 @@ def test_cli_json_line(tmp_path, capsys):
 def test_cli_rejects_missing_data(tmp_path, capsys):
     assert cli(["eval", "gsm8k", "--data", str(tmp_path / "nope.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_defaults_to_the_demo_family_with_dflash(tmp_path, capsys):
+    """``blockspec eval gsm8k`` with no model: the shipped family, DFlash on, the shipped test
+    split; a few questions as a CPU smoke eval (the full eval is docs/demo.md's)."""
+    from blockspec.demo_family import FAMILY_DIR
+
+    png = tmp_path / "dflash.png"
+    rc = cli(["eval", "gsm8k", "--num-questions", "4", "--batch-size", "4", "--device", "cpu",
+              "--json", "--plot", str(png)])
+    assert rc == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    last = json.loads(out[-1])
+    assert out[0].startswith("gsm8k: 4 questions from gsm8k_demo_test.jsonl: accuracy 1.0000")
+    assert (last["model_path"], last["draft_model_path"], last["speculative_algorithm"]) == (
+        str(FAMILY_DIR / "target"), str(FAMILY_DIR / "dflash"), "DFLASH")
+    assert last["accuracy"] == 1.0 and last["accept_length"] > 2.5
+    assert len(last["accept_histogram"]) == 8 and png.read_bytes()[:4] == b"\x89PNG"

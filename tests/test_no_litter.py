@@ -1,66 +1,47 @@
-"""No litter: the demo model is written once, whole, by concurrent first runs; an interrupted
-write leaves nothing; quantize never clobbers a folder it was not told to replace."""
+"""No litter: concurrent first runs without --model-path answer from the demo family shipped in
+the package and write nothing (no cache, nothing in the home folder, the family untouched);
+quantize never clobbers a folder it was not told to replace."""
 from __future__ import annotations
 
-import multiprocessing
 import os
-import time
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from blockspec import demo
+from blockspec.demo_family import EXAMPLE_QUESTION, FAMILY_DIR
 from blockspec.quant import quantize as q
 from blockspec.quant.recipes import QuantizeError
 
 QUANT_FIX = Path(__file__).parent / "fixtures" / "modelopt" / "dense"
 
 
-# ---- demo model cache -------------------------------------------------------------------------
-def _slow_writer(log: Path):
-    """A stand-in for write_demo_model (no torch in forked children): slow enough that
-    concurrent first runs overlap, and it records which process wrote."""
-    def write(folder: Path, seed: int = 0) -> Path:
-        with open(log, "a") as f:
-            f.write(f"{os.getpid()}\n")
-        (folder / "model.safetensors").write_bytes(b"x" * 1000)
-        time.sleep(0.3)
-        (folder / "config.json").write_text("{}")
-        return folder
-    return write
+# ---- first runs -------------------------------------------------------------------------------
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if "__pycache__" not in p.parts}
 
 
-def _first_run(root: str, barrier) -> None:
-    barrier.wait()
-    demo.ensure_demo_model(Path(root))
-
-
-def test_concurrent_first_runs_leave_one_clean_demo_model(tmp_path, monkeypatch):
-    root, log = tmp_path / "cache", tmp_path / "writes.log"
-    (root / "demo-tiny.tmp999-abcdef").mkdir(parents=True)      # left by a killed writer
-    monkeypatch.setattr(demo, "write_demo_model", _slow_writer(log))
-    ctx = multiprocessing.get_context("fork")
-    barrier = ctx.Barrier(3)
-    procs = [ctx.Process(target=_first_run, args=(str(root), barrier)) for _ in range(3)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(30)
-    assert [p.exitcode for p in procs] == [0, 0, 0]
-    assert len(log.read_text().split()) == 1                        # one process wrote it
-    assert sorted(p.name for p in root.iterdir()) == [".demo-tiny.lock", "demo-tiny"]
-    assert sorted(p.name for p in (root / "demo-tiny").iterdir()) == ["config.json", "model.safetensors"]
-
-
-def test_interrupted_demo_write_leaves_nothing(tmp_path, monkeypatch):
-    def interrupted(folder: Path, seed: int = 0) -> Path:
-        (folder / "model.safetensors").write_bytes(b"partial")
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(demo, "write_demo_model", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        demo.ensure_demo_model(tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [".demo-tiny.lock"]
+def test_concurrent_first_runs_write_nothing(tmp_path):
+    cache, home = tmp_path / "cache", tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "BLOCKSPEC_CACHE": str(cache), "HOME": str(home),
+           "XDG_CACHE_HOME": str(home / ".cache"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                          *filter(None, [os.environ.get("PYTHONPATH")])])}
+    before = _snapshot(FAMILY_DIR)
+    procs = [subprocess.Popen([sys.executable, "-m", "blockspec", "generate", EXAMPLE_QUESTION,
+                               "--device", "cpu", "--max-new-tokens", "80"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=tmp_path / "home")
+             for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in outs]
+    assert all(out.rstrip().endswith("#### 147") for out, _ in outs), outs
+    assert all("DFLASH accept length" in err for _, err in outs), outs
+    assert not cache.exists() and not list(home.iterdir())
+    assert _snapshot(FAMILY_DIR) == before
 
 
 # ---- quantize ---------------------------------------------------------------------------------

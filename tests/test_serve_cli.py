@@ -23,7 +23,7 @@ from blockspec.demo import write_demo_model  # noqa: E402
 def test_serve_flags_and_defaults():
     ns = _parser().parse_args(["serve"])
     assert (ns.host, ns.port, ns.api_key, ns.served_model_name) == ("127.0.0.1", 30000, None, None)
-    assert ns.model_path is None                      # unset: the embedded demo model
+    assert ns.model_path is None                      # unset: the shipped demo family
     ns = _parser().parse_args([
         "serve", "--model-path", "P", "--speculative-algorithm", "DFLASH",
         "--speculative-draft-model-path", "D", "--host", "0.0.0.0", "--port", "1234",

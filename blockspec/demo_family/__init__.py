@@ -12,9 +12,10 @@ Members, one folder each beside this file:
 ``dspark_nvfp4``    DSpark draft, Nemotron-3.5 layout, W4A16_NVFP4
 ==================  ==========================================================================
 
-``demo_engine_kwargs`` is how an ``Engine`` without ``model_path`` picks this family, with
-DFlash on by default; while the weights are not shipped it returns nothing and the engine keeps
-its random stand-in model (``blockspec.demo``).
+``demo_engine_kwargs`` is how an ``Engine`` (and so ``blockspec generate``, ``serve`` and
+``eval``) without ``model_path`` picks this family, with DFlash on by default;
+``speculative_algorithm="DSPARK"`` picks the DSpark draft and ``"NONE"`` turns speculation off.
+The family is trained on GSM8K-format word problems (``blockspec/demo_data``): ask it one.
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ MEMBERS = ("target", "target_mixed", "dflash", "dspark", "dflash_nvfp4", "dspark
 DEFAULT_DRAFT = {"DFLASH": "dflash", "DSPARK": "dspark"}
 SIZE_LIMIT_BYTES = 40 * 1000 * 1000
 _OFF = ("NONE", "OFF", "")
+# A question of the shipped test split (blockspec/demo_data/gsm8k_demo_test.jsonl, row 1), the
+# README's first command; the family answers it with "#### 147".
+EXAMPLE_QUESTION = ("A book has 387 pages. Diego reads 60 pages a day for 4 days. "
+                    "How many pages are left to read?")
 
 
 def member_path(name: str, root: Path | None = None) -> Path:
@@ -45,16 +50,29 @@ def family_bytes(root: Path | None = None) -> int:
     return sum(f.stat().st_size for m in MEMBERS for f in (base / m).glob("*") if f.is_file())
 
 
+def missing_files(root: Path | None = None) -> list[str]:
+    return [f"{m}/{f}" for m in MEMBERS for f in ("config.json", "model.safetensors")
+            if not (member_path(m, root) / f).is_file()]
+
+
 def demo_engine_kwargs(model_path: str | None, kwargs: dict[str, Any],
                        root: Path | None = None) -> tuple[str | None, dict[str, Any]]:
     """Engine arguments for a call that named no model.
 
-    With the family shipped and no ``model_path``: the family target, and DFlash with the
-    family draft unless the caller chose otherwise (``speculative_algorithm="DSPARK"`` picks
-    the DSpark draft; ``"none"`` turns speculation off).  Anything else is returned unchanged.
+    Without ``model_path``: the family target, and DFlash with the family draft unless the
+    caller chose otherwise (``speculative_algorithm="DSPARK"`` picks the DSpark draft;
+    ``"none"`` turns speculation off; an explicit draft path is kept).  A ``model_path`` is
+    returned unchanged with its kwargs.  A family with files missing is an error (an install
+    without the package data), never a silent stand-in.
     """
-    if model_path is not None or not is_shipped(root):
+    if model_path is not None:
         return model_path, kwargs
+    if not is_shipped(root):
+        missing = missing_files(root)
+        raise FileNotFoundError(
+            f"no model path given and the demo family at {root or FAMILY_DIR} is incomplete "
+            f"(missing {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); pass "
+            f"--model-path / model_path, or reinstall blockspec with its package data")
     kw = dict(kwargs)
     algo = kw.get("speculative_algorithm")
     if algo is None:
@@ -67,3 +85,10 @@ def demo_engine_kwargs(model_path: str | None, kwargs: dict[str, Any],
         if not kw.get("speculative_draft_model_path") and algo in DEFAULT_DRAFT:
             kw["speculative_draft_model_path"] = str(member_path(DEFAULT_DRAFT[algo], root))
     return str(member_path("target", root)), kw
+
+
+def describe(model_path: str, algorithm: str | None, draft_path: str | None) -> str:
+    """One line naming what ``demo_engine_kwargs`` picked (the CLI prints it on stderr)."""
+    spec = f"{algorithm} on, draft {draft_path}" if algorithm else "speculation off"
+    return (f"no --model-path: using the demo family's target {model_path} ({spec}); it answers "
+            f"GSM8K-style math word problems")

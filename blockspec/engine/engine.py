@@ -69,14 +69,14 @@ def cache_layout(cfg: NemotronHConfig) -> CacheLayout:
 
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        from blockspec.demo_family import demo_engine_kwargs
+
+        # no model_path: the shipped demo family, DFlash on unless kwargs say otherwise
+        model_path, kwargs = demo_engine_kwargs(model_path, kwargs)
         self.args = args = EngineArgs.from_kwargs(model_path=model_path, **kwargs)
         logging.basicConfig(level=args.log_level.upper(), format="[blockspec] %(message)s")
         self.device = resolve_device(args.device)
         self._resolve_backends(args.speculative_algorithm)      # bad flags fail before any load
-        if args.model_path is None:
-            from blockspec.demo import ensure_demo_model
-
-            args.model_path = str(ensure_demo_model())
         raw = read_config(args.model_path)
         self.dtype = resolve_dtype(args.dtype, raw, self.device)
         model, config = load_target(args.model_path, self.dtype, self.device)

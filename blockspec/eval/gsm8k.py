@@ -133,8 +133,10 @@ def plot_acceptance(result: GSM8KResult, path: str | Path, title: str | None = N
     ax2.set_xticks(positions)
     ax2.set_xlabel("draft position")
     ax2.set_ylabel("acceptance rate")
-    fig.suptitle(title or (f"{result.speculative_algorithm}: accuracy {result.accuracy:.3f}, "
-                           f"accept length {result.accept_length:.2f}, "
+    draft = f" (draft {Path(result.draft_model_path).name})" if result.draft_model_path else ""
+    width = f", verify width {len(hist)}"
+    fig.suptitle(title or (f"{result.speculative_algorithm}{draft}: accuracy {result.accuracy:.3f}, "
+                           f"accept length {result.accept_length:.2f}{width}, "
                            f"{result.num_questions} questions"))
     fig.tight_layout()
     path = Path(path)

@@ -82,6 +82,12 @@ def run(ns: argparse.Namespace) -> int:
         sock.close()
         raise
     try:
+        if ns.model_path is None:
+            from blockspec.demo_family import describe
+
+            a = engine.args
+            line = describe(a.model_path, a.speculative_algorithm, a.speculative_draft_model_path)
+            print(f"blockspec serve: {line}", file=sys.stderr, flush=True)
         name = served_name(engine, sargs)
         server = build_server(engine, sargs, on_started=lambda url: print(
             f"blockspec serve: {name} on {url} (OpenAI API at {url}/v1)", file=sys.stderr,
