@@ -54,7 +54,7 @@ def main(out: Path, png: Path | None) -> None:
     ax.set_xlabel("verify width (anchor + drafts)")
     ax.set_ylabel("accept length (tokens per verify)")
     ax.set_xticks(widths)
-    n = next(iter(runs.values()))["num_questions"]
+    n = runs["dflash"]["num_questions"]
     ax.set_title(f"demo family, CPU fp32 greedy, {n} questions")
     ax.legend(fontsize=8)
     fig.tight_layout()
