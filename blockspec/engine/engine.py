@@ -165,8 +165,9 @@ class Engine:
             self._check(ids, p)                 # all or nothing: nothing queued on a bad prompt
         outputs: queue.SimpleQueue[StreamOutput] = queue.SimpleQueue()
         per_step = stream or self.on_step is not None     # the progress hook wants every step
-        rids = [self.submit(ids, p, outputs.put, return_logprob=return_logprob, stream=per_step)
-                for ids, p in zip(id_lists, params)]
+        with self._require_loop().grouped():
+            rids = [self.submit(ids, p, outputs.put, return_logprob=return_logprob, stream=per_step)
+                    for ids, p in zip(id_lists, params)]
         if stream:
             return self._stream(rids, outputs, single)
         results = {rid: {"text": "", "output_ids": [], "meta_info": None} for rid in rids}

@@ -10,11 +10,12 @@ asyncio, and the offline ``Engine.generate`` is just another client.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from blockspec.engine.request import Request
@@ -79,7 +80,7 @@ class EngineLoop:
         self._sched = scheduler
         self._detokenize = detokenize
         self._speculative = speculative
-        self._cv = threading.Condition()
+        self._cv = threading.Condition(threading.RLock())   # re-entrant: see grouped()
         self._inbox: deque[tuple] = deque()        # ("add", _Live) | ("abort", rid, Event | None)
         self._known: set[str] = set()               # ids submitted and not finished (under _cv)
         self._closing: str | None = None
@@ -107,6 +108,14 @@ class EngineLoop:
             self._known.add(req.rid)
             self._inbox.append(("add", _Live(req, sink, detok, stream)))
             self._cv.notify()
+
+    @contextlib.contextmanager
+    def grouped(self) -> Iterator[None]:
+        """Submissions inside the block reach the loop together (it cannot drain the inbox
+        half-way), so one generate call's requests start in the same step: the batch, and with
+        it every float, does not depend on thread timing."""
+        with self._cv:
+            yield
 
     def abort(self, rid: str, *, wait: float | None = None) -> bool:
         """Abort a queued or running request: it ends with finish_reason ``abort`` and its cache
