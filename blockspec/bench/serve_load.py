@@ -5,7 +5,8 @@ tokens/s over the wall time, and the error count.
     python -m blockspec.bench.serve_load [--url http://127.0.0.1:30000 --api-key K]
         [--requests 200 --max-tokens 16 --max-running-requests 64]
 
-Without --url it serves the embedded demo model in-process on 127.0.0.1 (CPU unless told)."""
+Without --url it serves the default model (the shipped demo family, DFLASH on) in-process on
+127.0.0.1 (CPU unless told)."""
 from __future__ import annotations
 
 import argparse
