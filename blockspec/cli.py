@@ -124,8 +124,8 @@ def _generate_flags(g: argparse.ArgumentParser) -> None:
     s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top "
                                                            "probability; 0 = off")
     s.add_argument("--seed", type=int, help="this request's own sampling seed; default: none, "
-                                            "sampling then draws from the engine's generator, "
-                                            "seeded by --random-seed")
+                                            "the seed is derived from --random-seed and the "
+                                            "request's arrival order")
     s.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop string (repeatable); the text ends before it")
     s.add_argument("--stop-token-ids", metavar="IDS",
