@@ -90,3 +90,18 @@ def test_random_preset_weights_are_finite_and_tame():
         if t.is_floating_point():
             assert torch.isfinite(t.float()).all(), name
             assert t.float().abs().max() < 20, name
+
+
+def test_bench_writes_nothing(tmp_path, monkeypatch):
+    """Presets are built in memory: no temporary model folder, nothing in the working folder."""
+    import tempfile
+
+    work, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    work.mkdir()
+    tmp.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)          # re-read TMPDIR
+    run(_args(device="cpu", input_len=4, output_len=3, repeats=1, random_draft="dflash",
+              speculative_num_draft_tokens=3))
+    assert list(work.iterdir()) == [] and list(tmp.iterdir()) == []
