@@ -84,10 +84,7 @@ def main() -> None:
         lines.append(f"eager step: {sum(kernels.values())} GPU kernels, {total / 1e3:.3f} ms of GPU time")
         for name, t in times.most_common(25):
             lines.append(f"  {t / 1e3:8.3f} ms  x{kernels[name]:<4d} {name[:110]}")
-        gkey = (kind, key, bs)
-        runner.inputs.fill_dummy(0, bs)
-        runner.inputs.upload()
-        runner.graphs.capture(gkey, lambda: fn(runner.inputs.view(bs), key))
+        gkey = runner.ensure_graph(kind, key, bs, fn)
         runner.inputs.fill(batch, bs)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for _ in range(5):

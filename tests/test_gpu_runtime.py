@@ -77,11 +77,7 @@ def test_a_step_makes_no_host_sync(spec, kind):
                               min_p=[0.0] * 4, seeds=[1, 2, 3, 4], sample_counters=[0] * 4,
                               verify_counters=[0] * 4)
             key = batch.sampling_key()
-            gkey = ("spec" if kind else "decode", key, 4)
-            if not runner.graphs.has(gkey):
-                runner.inputs.fill_dummy(0, 4)
-                runner.inputs.upload()
-                runner.graphs.capture(gkey, lambda: fn(runner.inputs.view(4), key))
+            gkey = runner.ensure_graph("spec" if kind else "decode", key, 4, fn)
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:

@@ -42,3 +42,18 @@ def test_grouped_moe_interpreter(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_moe_cuda():
     _compare(_moe("cuda"), "cuda")
+
+
+def test_graph_safe_names_the_configurations_without_a_sync_free_path():
+    """The runner turns CUDA graphs off when an MoE layer would fall back to the reference loop
+    (it reads expert counts back): packed experts need the bf16/fp16 Triton kernel on CUDA."""
+    from blockspec.bench.presets import build_target
+
+    packed = _moe("cpu")
+    cuda = torch.device("cuda")
+    assert packed.graph_safe(torch.bfloat16, cuda) and packed.graph_safe(torch.float16, cuda)
+    assert not packed.graph_safe(torch.float32, cuda)
+    assert not packed.graph_safe(torch.bfloat16, torch.device("cpu"))
+    dense = next(m for m in build_target("tiny", torch.device("cpu"), torch.float32).modules()
+                 if isinstance(m, MoE))
+    assert dense._dense is not None and dense.graph_safe(torch.float32, cuda)

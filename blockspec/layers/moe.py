@@ -102,12 +102,19 @@ class MoE(nn.Module):
             return True
         return False
 
-    def _use_grouped(self, h: torch.Tensor) -> bool:
-        if self._grouped is None or not h.is_cuda:
+    def graph_safe(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether ``routed`` avoids the reference loop (which reads expert counts back to the
+        host and so cannot run inside a CUDA graph) for activations of ``dtype`` on ``device``."""
+        if self._dense is not None:
+            return True
+        if self._grouped is None or device.type != "cuda":
             return False
         from blockspec.quant.triton_w4a16 import triton_available
 
-        return h.dtype in (torch.bfloat16, torch.float16) and triton_available()
+        return dtype in (torch.bfloat16, torch.float16) and triton_available()
+
+    def _use_grouped(self, h: torch.Tensor) -> bool:
+        return self._grouped is not None and self.graph_safe(h.dtype, h.device)
 
     def routed_grouped(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """All (token, expert) pairs sorted by expert through two grouped W4A16 GEMMs."""

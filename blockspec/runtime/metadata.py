@@ -68,8 +68,10 @@ def flat_slots(block_table: torch.Tensor, slots: torch.Tensor, positions: torch.
     return pages * page_size + positions % page_size
 
 
-_INT_FIELDS = ("slot", "prefix", "token", "top_k", "seed", "sample_ctr", "verify_ctr")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+# (buffer field, StepBatch attribute); the order is the buffer's row order
+_INT_FIELDS = (("slot", "slots"), ("prefix", "prefix_lens"), ("token", "tokens"), ("top_k", "top_k"),
+               ("seed", "seeds"), ("sample_ctr", "sample_counters"), ("verify_ctr", "verify_counters"))
+_FLOAT_FIELDS = (("temperature", "temperature"), ("top_p", "top_p"), ("min_p", "min_p"))
 
 
 @dataclass
@@ -124,26 +126,27 @@ class StepInputs:
         pin = device.type == "cuda"
         self._host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
         self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=device) if pin else self._host
+        self._ints, self._floats = self._blocks(self._host)
         self.host = self._views(self._host)
         self.dev = self._views(self._dev)
-        n_int = len(_INT_FIELDS)
-        self._ints = self._host[: 8 * n_int * max_bs].view(torch.int64).view(n_int, max_bs)
-        self._floats = self._host[8 * n_int * max_bs:].view(torch.float32).view(len(_FLOAT_FIELDS), max_bs)
         self.fill_dummy(0, max_bs)
         self.upload()
 
-    def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _blocks(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffer as an int64 [fields, max_bs] block followed by a float32 one."""
         n_int, mb = len(_INT_FIELDS), self.max_bs
-        ints = buf[: 8 * n_int * mb].view(torch.int64).view(n_int, mb)
-        floats = buf[8 * n_int * mb:].view(torch.float32).view(len(_FLOAT_FIELDS), mb)
-        out = {name: ints[i] for i, name in enumerate(_INT_FIELDS)}
-        out.update({name: floats[i] for i, name in enumerate(_FLOAT_FIELDS)})
+        return (buf[: 8 * n_int * mb].view(torch.int64).view(n_int, mb),
+                buf[8 * n_int * mb:].view(torch.float32).view(len(_FLOAT_FIELDS), mb))
+
+    def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        ints, floats = self._blocks(buf)
+        out = {name: ints[i] for i, (name, _) in enumerate(_INT_FIELDS)}
+        out.update({name: floats[i] for i, (name, _) in enumerate(_FLOAT_FIELDS)})
         return out
 
     def fill_dummy(self, start: int, end: int) -> None:
         h = self.host
-        for name in _INT_FIELDS:
-            h[name][start:end] = 0
+        self._ints[:, start:end] = 0
         h["slot"][start:end] = self.dummy_slot
         h["top_k"][start:end] = -1
         h["temperature"][start:end] = 0.0
@@ -156,10 +159,8 @@ class StepInputs:
         if padded > self.max_bs or n > padded:
             raise ValueError(f"batch of {n} padded to {padded} exceeds the {self.max_bs} rows")
         # two host tensors for the whole batch (this runs every step: keep it cheap)
-        self._ints[:, :n] = torch.tensor([batch.slots, batch.prefix_lens, batch.tokens, batch.top_k,
-                                          batch.seeds, batch.sample_counters, batch.verify_counters],
-                                         dtype=torch.int64)
-        self._floats[:, :n] = torch.tensor([batch.temperature, batch.top_p, batch.min_p],
+        self._ints[:, :n] = torch.tensor([getattr(batch, a) for _, a in _INT_FIELDS], dtype=torch.int64)
+        self._floats[:, :n] = torch.tensor([getattr(batch, a) for _, a in _FLOAT_FIELDS],
                                            dtype=torch.float32)
         if padded > n:
             self.fill_dummy(n, padded)

@@ -10,6 +10,7 @@ The runner reads the memory manager's pools; allocation and admission live in th
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from blockspec.runtime.metadata import Mode, StepBatch, StepInputs, extend_metad
 from blockspec.sampling import Stream, logprobs_of, sample, uniforms
 
 StepFn = Callable[[dict[str, torch.Tensor], tuple], torch.Tensor]
+log = logging.getLogger("blockspec")
 
 
 @dataclass
@@ -45,6 +47,13 @@ class ModelRunner:
                      and self.decode_attn.supports_cuda_graph)
         self.graphs = (GraphRunner(self.device, min(options.cuda_graph_max_bs, options.max_batch_size))
                        if graphs_ok else None)
+        from blockspec.layers.moe import MoE
+
+        for m in model.modules():
+            if isinstance(m, MoE) and not m.graph_safe(model.backbone.norm_f.weight.dtype, self.device):
+                self.disable_graphs("an MoE layer's experts have no sync-free path for this "
+                                    "dtype/device (the reference expert loop reads counts back)")
+                break
         self.capture_layers: tuple[int, ...] = ()
         self.host_max_seq_len = 0   # eager steps' longest context (the torch backend needs it)
 
@@ -64,32 +73,44 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_rows(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Sample one token per row of ``logits`` (eager; prefill's first tokens). Returns
-        [B, 2] float64 (token, logprob) on the device."""
-        dev = logits.device
-        t = torch.tensor(batch.temperature, dtype=torch.float32, device=dev)
-        k = torch.tensor(batch.top_k, dtype=torch.long, device=dev)
-        p = torch.tensor(batch.top_p, dtype=torch.float32, device=dev)
-        mp = torch.tensor(batch.min_p, dtype=torch.float32, device=dev)
-        u = uniforms(torch.tensor(batch.seeds, device=dev), torch.tensor(batch.sample_counters, device=dev),
-                     Stream.SAMPLE, 1)[:, 0]
-        tok = sample(logits, t, k, p, mp, u, greedy_only=batch.greedy_only, filters=batch.filters)
-        lp = logprobs_of(logits, tok) if batch.want_logprobs else torch.zeros_like(tok, dtype=torch.float32)
-        return torch.stack([tok.double(), lp.double()], 1)
+        """Sample one token per row of ``logits`` (prefill's first tokens), through the same
+        inputs and sampler as a decode step. Returns [B, 2] float64 (token, logprob)."""
+        self.inputs.fill(batch, batch.size)
+        return self._pick(logits, self.inputs.view(batch.size), batch.sampling_key())
 
-    # ---- steps ---------------------------------------------------------------------------------
-    def decode_step(self, inp: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
-        """One token per request from its last token: forward, sample. [B, 2] (token, logprob)."""
+    @staticmethod
+    def _pick(logits: torch.Tensor, inp: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
+        """Next token per row and its raw logprob, [B, 2] float64 (the one AR sampling path)."""
         greedy_only, filters, want_lp = key
-        m = self.memory
-        meta = uniform_metadata(inp, 1, Mode.DECODE, inp["token"], m.block_table, m.page_size,
-                                self.decode_attn, m.kv, m.mamba, max_seq_len=self.host_max_seq_len)
-        logits = self.model(meta).logits
         u = None if greedy_only else uniforms(inp["seed"], inp["sample_ctr"], Stream.SAMPLE, 1)[:, 0]
         tok = sample(logits, inp["temperature"], inp["top_k"], inp["top_p"], inp["min_p"], u,
                      greedy_only=greedy_only, filters=filters)
         lp = logprobs_of(logits, tok) if want_lp else torch.zeros_like(logits[:, 0])
         return torch.stack([tok.double(), lp.double()], 1)
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def decode_step(self, inp: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
+        """One token per request from its last token: forward, sample. [B, 2] (token, logprob)."""
+        m = self.memory
+        meta = uniform_metadata(inp, 1, Mode.DECODE, inp["token"], m.block_table, m.page_size,
+                                self.decode_attn, m.kv, m.mamba, max_seq_len=self.host_max_seq_len)
+        return self._pick(self.model(meta).logits, inp, key)
+
+    def disable_graphs(self, why: str) -> None:
+        """Run every step eagerly: something a step runs cannot be captured (logged once)."""
+        if self.graphs is not None:
+            log.info("CUDA graphs off: %s", why)
+        self.graphs = None
+
+    def ensure_graph(self, kind: str, key: tuple, padded: int, fn: StepFn) -> tuple:
+        """The graph of (kind, sampling mode, padded size), captured now if it is new: the step
+        inputs are dummy rows while it warms up and records, so no real cache is touched."""
+        gkey = (kind, key, padded)
+        if not self.graphs.has(gkey):
+            self.inputs.fill_dummy(0, padded)
+            self.inputs.upload()
+            self.graphs.capture(gkey, lambda: fn(self.inputs.view(padded), key))
+        return gkey
 
     @torch.inference_mode()
     def run_step(self, batch: StepBatch, fn: StepFn, kind: str, width: int) -> torch.Tensor:
@@ -104,11 +125,7 @@ class ModelRunner:
             self.inputs.fill(batch, bs)
             out = fn(self.inputs.view(bs), key)
             return out[:bs].cpu()
-        gkey = (kind, key, padded)
-        if not self.graphs.has(gkey):
-            self.inputs.fill_dummy(0, padded)
-            self.inputs.upload()
-            self.graphs.capture(gkey, lambda: fn(self.inputs.view(padded), key))
+        gkey = self.ensure_graph(kind, key, padded, fn)
         self.inputs.fill(batch, padded)
         return self.graphs.replay(gkey)[:bs].cpu()
 

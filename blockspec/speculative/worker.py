@@ -38,8 +38,8 @@ class SpecWorker:
         self.memory.set_lookahead(self.width)
         runner.capture_layers = tuple(i + 1 for i in cfg.target_layer_ids)
         self.attn = create_backend(draft_backend)
-        if not self.attn.supports_cuda_graph:
-            runner.graphs = None       # a step is one graph: every backend in it must capture
+        if not self.attn.supports_cuda_graph:   # a step is one graph: every backend in it must capture
+            runner.disable_graphs(f"the draft's attention backend {self.attn.name!r} is eager-only")
         self.simulate_accept_length: float | None = None   # benchmarks only (see step_fn)
 
     @property
