@@ -162,11 +162,11 @@ class Engine:
         single, id_lists = self._normalize_prompts(prompt, input_ids)
         params = self._normalize_params(sampling_params, len(id_lists))
         for ids, p in zip(id_lists, params):
-            self._check(ids, p)                 # all or nothing: nothing queued on a bad prompt
+            self._fits(ids, p)                  # all or nothing: nothing queued on a bad prompt
         outputs: queue.SimpleQueue[StreamOutput] = queue.SimpleQueue()
         per_step = stream or self.on_step is not None     # the progress hook wants every step
         with self._require_loop().grouped():
-            rids = [self.submit(ids, p, outputs.put, return_logprob=return_logprob, stream=per_step)
+            rids = [self._enqueue(ids, p, outputs.put, return_logprob, per_step, None)
                     for ids, p in zip(id_lists, params)]
         if stream:
             return self._stream(rids, outputs, single)
@@ -193,12 +193,18 @@ class Engine:
         """Queue one request on the engine loop and return its id; its ``StreamOutput``s go to
         ``sink`` from the loop thread (which must not block). Raises GenerateError when the
         request is malformed or can never fit. This is the entry point for servers."""
-        loop = self._require_loop()
-        self._check(input_ids, params)
+        self._require_loop()
+        self._check_ids(input_ids)
+        self._fits(input_ids, params)
+        return self._enqueue(input_ids, params, sink, return_logprob, stream, rid)
+
+    def _enqueue(self, input_ids: list[int], params: SamplingParams, sink: Callable[[StreamOutput], None],
+                 return_logprob: bool, stream: bool, rid: str | None) -> str:
+        """Hand an already checked request to the loop."""
         req = Request(rid=rid if rid is not None else uuid.uuid4().hex, prompt_ids=list(input_ids),
                       params=params, return_logprob=return_logprob)
         try:
-            loop.submit(req, sink, stream=stream)
+            self._require_loop().submit(req, sink, stream=stream)
         except EngineClosedError as e:
             raise GenerateError(f"{e}; create a new Engine") from None
         return req.rid
@@ -248,9 +254,8 @@ class Engine:
             raise GenerateError("this Engine was shut down; create a new one")
         return self._loop
 
-    def _check(self, input_ids: list[int], params: SamplingParams) -> None:
-        self._require_loop()
-        self._check_ids(input_ids)
+    def _fits(self, input_ids: list[int], params: SamplingParams) -> None:
+        """The request can ever be admitted (prompt + max_new_tokens + lookahead fit the cache)."""
         try:
             self.scheduler.check(Request(rid="", prompt_ids=list(input_ids), params=params))
         except ValueError as e:
