@@ -300,15 +300,24 @@ def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int, width: in
     return bits.to(torch.float64) * (2.0 ** -53)
 
 
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One step of the splitmix64 mixer on a Python int (exact 64-bit arithmetic)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
 def request_seed(seed: int | None, default_seed: int, request_id: int) -> int:
     """The int64 seed a request samples with: its own ``seed``, or one derived from the
-    engine's ``random_seed`` and the request id (so unseeded runs are reproducible from
+    engine's ``random_seed`` and the request's number (so unseeded runs are reproducible from
     ``--random-seed``). uint64 seeds map to int64 two's-complement."""
     if seed is None:
-        g = torch.tensor([default_seed & ((1 << 63) - 1)], dtype=torch.int64)
-        seed = int(uniforms(g, torch.tensor([request_id & _M32]), 7, 1)[0, 0] * 2.0**53)
-        seed = (seed << 11) ^ (request_id >> 32)
-    seed = int(seed) % (1 << 64)
+        seed = _splitmix64(_splitmix64(default_seed & _M64) ^ (request_id & _M64))
+    seed = int(seed) & _M64
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 

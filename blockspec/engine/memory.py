@@ -173,14 +173,6 @@ class MemoryManager:
     def total_tokens(self) -> int:
         return self.allocator.num_blocks * self.page_size
 
-    @property
-    def free_tokens(self) -> int:
-        return self.allocator.num_free * self.page_size
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
-
     def needed_tokens(self, prompt_len: int, max_new_tokens: int) -> int:
         return prompt_len + max_new_tokens + self.lookahead
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from blockspec.attention.torch_native import masked_attention
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
@@ -99,17 +100,6 @@ class DraftEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.dim}"
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                    scale: float, sink: torch.Tensor | None = None,
-                    impl: str = "eager") -> torch.Tensor:
-    """GQA attention of block queries over context+block keys (the dense path): q [B, Q, n_h, d],
-    k/v [B, L, n_kv, d], allowed [B, Q, L], sink [n_h]. The same math as the reference
-    attention backend (``attention.torch_native.masked_attention``)."""
-    from blockspec.attention.torch_native import masked_attention
-
-    return masked_attention(q, k, v, allowed, scale, sink, impl)
-
-
 def build_attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor,
                          causal: bool, window: int | None) -> torch.Tensor:
     """``allowed [B, Q, L]``: key valid, and (causal) ``k_pos <= q_pos``, and (window)
@@ -168,7 +158,7 @@ class DraftAttention(nn.Module):
         if ctx_k is not None and ctx_k.shape[1] > 0:
             k = torch.cat((ctx_k.to(k.dtype), k), dim=1)
             v = torch.cat((ctx_v.to(v.dtype), v), dim=1)
-        o = block_attention(q, k, v, allowed, self.scale, self.attention_sink_bias, impl)
+        o = masked_attention(q, k, v, allowed, self.scale, self.attention_sink_bias, impl)
         return self.o_proj(o.reshape(b, nq, self.num_heads * self.head_dim))
 
     def forward_paged(self, hn: torch.Tensor, meta: ForwardMetadata, cache_index: int,
