@@ -13,8 +13,6 @@ import math
 
 import torch
 
-from blockspec.quant.config import FP8, W4A16_NVFP4
-
 LIGHTNING_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 _LIGHTNING = {
     "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
@@ -38,12 +36,9 @@ class LightningPlan:
     writes), as a plan a model can be built from."""
 
     def format_for(self, prefix: str) -> str | None:
-        if prefix == "lm_head" or ".experts." in prefix or prefix.endswith(".shared_experts.up_proj") \
-                or prefix.endswith(".shared_experts.down_proj"):
-            return W4A16_NVFP4
-        if prefix.endswith("mixer.in_proj") or prefix.endswith("mixer.out_proj"):
-            return FP8
-        return None
+        from blockspec.quant.recipes import lightning_format
+
+        return lightning_format(prefix)
 
 
 def preset_config(name: str) -> dict:

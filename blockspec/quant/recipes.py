@@ -101,6 +101,16 @@ class Selection:
     kv_cache_fp8: bool
 
 
+def lightning_format(prefix: str) -> str | None:
+    """Nemotron 3.5 Lightning's format for one Linear: routed and shared experts and lm_head
+    W4A16_NVFP4, Mamba in/out projections FP8, everything else (attention, dense MLP) bf16."""
+    if ".mixer.experts." in prefix or ".mixer.shared_experts." in prefix or prefix == "lm_head":
+        return W4A16_NVFP4
+    if prefix.endswith(".mixer.in_proj") or prefix.endswith(".mixer.out_proj"):
+        return FP8
+    return None
+
+
 def select_formats(inv: ModuleInventory, quant_algo: str, recipe: str | None) -> Selection:
     algo = quant_algo.upper()
     if algo not in ALGOS:
@@ -112,14 +122,8 @@ def select_formats(inv: ModuleInventory, quant_algo: str, recipe: str | None) ->
         if algo != "MIXED_PRECISION":
             raise QuantizeError("--recipe lightning is a MIXED_PRECISION layout; pass "
                                 "--quant-algo MIXED_PRECISION")
-        formats: dict[str, str] = {}
-        for p in inv.linears:  # attention, dense MLP and MTP stay bf16
-            if p.startswith("mtp."):
-                continue
-            if ".mixer.experts." in p or ".mixer.shared_experts." in p or p == "lm_head":
-                formats[p] = W4A16_NVFP4
-            elif p.endswith(".mixer.in_proj") or p.endswith(".mixer.out_proj"):
-                formats[p] = FP8
+        formats = {p: fmt for p in inv.linears
+                   if not p.startswith("mtp.") and (fmt := lightning_format(p)) is not None}
         return Selection(formats, kv_cache_fp8=bool(inv.attention))
     if algo == "MIXED_PRECISION":
         raise QuantizeError("--quant-algo MIXED_PRECISION needs a --recipe; known: "
