@@ -113,19 +113,20 @@ def build_target(name: str, device: torch.device, dtype: torch.dtype, quantized:
 
 
 def draft_config(kind: str, target_cfg: dict, block_size: int) -> dict:
-    """A small DFlash / DSpark config for a target (2 layers, the target's width)."""
+    """A 2-layer DFlash / DSpark config for a target (the trainer's generic layout), with
+    attention sized to the target's width: head dim 128 from hidden 1024 up, a power-of-two
+    number of heads (GQA-friendly), MLP twice the width."""
+    from blockspec.train.draft_layout import default_target_layer_ids
+    from blockspec.train.draft_layout import draft_config as layout_config
+
     n_layers = len(target_cfg.get("hybrid_override_pattern") or target_cfg.get("layers_block_type"))
     hidden, vocab = target_cfg["hidden_size"], target_cfg["vocab_size"]
+    cfg = layout_config(target_cfg, algorithm=kind, layout="generic", block_size=block_size,
+                        mask_token_id=vocab - 1, target_layer_ids=default_target_layer_ids(n_layers))
     head_dim = 128 if hidden >= 1024 else 16
-    heads = max(2 ** int(math.log2(max(hidden // head_dim, 1))), 2)     # power of two: GQA-friendly
-    cfg = {"architectures": ["DFlashDraftModel" if kind == "dflash" else "Qwen3DSparkModel"],
-           "model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": 2,
-           "num_attention_heads": heads, "num_key_value_heads": max(heads // 4, 1),
-           "head_dim": head_dim, "intermediate_size": 2 * hidden, "vocab_size": vocab,
-           "rms_norm_eps": 1e-6, "rope_theta": 1e6, "block_size": block_size,
-           "num_target_layers": n_layers, "dflash_config": {"mask_token_id": vocab - 1}}
-    if kind == "dspark":
-        cfg.update(markov_rank=64, markov_head_type="vanilla")
+    heads = max(2 ** int(math.log2(max(hidden // head_dim, 1))), 2)
+    cfg.update(num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), head_dim=head_dim,
+               intermediate_size=2 * hidden)
     return cfg
 
 
