@@ -116,9 +116,11 @@ TRITON_CASES = [
     ("causal", 1, 4, True), ("causal", 4, 2, False), ("noncausal", 4, 1, True),
     ("noncausal", 1, 8, False), ("window", 2, 4, True), ("window", 1, 2, False),
     ("sink", 4, 4, True), ("noncausal_window_sink", 1, 2, False),
-    ("noncausal_window_sink", 4, 8, True),
+    ("noncausal_window_sink", 4, 8, True), ("sink", 2, 8, True),
 ]
-HEAD_DIMS = {("window", 1, 2, False): 8, ("sink", 4, 4, True): 24}   # masked: not a power of two >= 16
+# masked head dims (not a power of two >= 16), and one wide enough that the split merge runs
+# over several column chunks as well as several row chunks
+HEAD_DIMS = {("window", 1, 2, False): 8, ("sink", 4, 4, True): 24, ("sink", 2, 8, True): 80}
 
 
 @pytest.mark.parametrize("variant, splits, group, uniform", TRITON_CASES)

@@ -122,30 +122,37 @@ def _attn_kernel(Q, K, V, O, PM, PL, PO, BT, SLOTS, SEQ, QST, TILE_REQ, TILE_R0,
 @triton.jit
 def _merge_kernel(O, PM, PL, PO, QST, TILE_REQ, TILE_R0, SINK, s_on, s_oh,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  SPLITS: tl.constexpr, HAS_SINK: tl.constexpr):
+                  SPLITS: tl.constexpr, HAS_SINK: tl.constexpr, MERGE_M: tl.constexpr,
+                  MERGE_D: tl.constexpr):
+    """Combine the SPLITS partial softmax states of a (tile, kv head) for MERGE_M rows and
+    MERGE_D columns: many small programs, since a decode step has only a few (tile, head)
+    pairs and each one's partials are SPLITS x BLOCK_M x BLOCK_D floats."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
+    chunk = tl.program_id(2)
     n_kv = tl.num_programs(1)
+    n_d: tl.constexpr = BLOCK_D // MERGE_D
+    lm = (chunk // n_d) * MERGE_M + tl.arange(0, MERGE_M)
+    d = (chunk % n_d) * MERGE_D + tl.arange(0, MERGE_D)
     b = tl.load(TILE_REQ + tile)
     r0 = tl.load(TILE_R0 + tile)
     qs = tl.load(QST + b)
     qn = tl.load(QST + b + 1) - qs
-    m = r0 + tl.arange(0, BLOCK_M)
+    m = r0 + lm
     t = m // G
     head = h * G + m % G
     row_ok = t < qn
-    d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    first = (tile * n_kv + h) * SPLITS * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    first = (tile * n_kv + h) * SPLITS * BLOCK_M + lm
+    m_all = tl.full([MERGE_M], float("-inf"), tl.float32)
     for s in tl.static_range(SPLITS):
         m_all = tl.maximum(m_all, tl.load(PM + first + s * BLOCK_M))
     if HAS_SINK:
         sink = tl.load(SINK + head, mask=row_ok, other=0.0)
         m_all = tl.maximum(m_all, sink)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    l_tot = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    l_tot = tl.full([MERGE_M], 0.0, tl.float32)
+    acc = tl.full([MERGE_M, MERGE_D], 0.0, tl.float32)
     for s in tl.static_range(SPLITS):
         rows = first + s * BLOCK_M
         w = tl.exp(tl.load(PM + rows) - m_safe)

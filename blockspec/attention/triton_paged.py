@@ -112,8 +112,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PAGE=page_size, BLOCK_N=BLOCK_N, CAUSAL=causal, WINDOWED=window is not None,
         IEEE=ieee, STATIC_ITERS=static_iters, **common)
     if splits > 1:
-        merge[(tiles, hkv)](out, pm, pl, po, q_start, tile_req, tile_row0, sink_t,
-                            out.stride(0), out.stride(1), **common)
+        merge_m, merge_d = min(block_m, 16), min(block_d, 32)
+        chunks = (block_m // merge_m) * (block_d // merge_d)
+        merge[(tiles, hkv, chunks)](out, pm, pl, po, q_start, tile_req, tile_row0, sink_t,
+                                    out.stride(0), out.stride(1), MERGE_M=merge_m,
+                                    MERGE_D=merge_d, **common)
     return out
 
 
