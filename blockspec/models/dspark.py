@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blockspec.layers.linear import QuantPlan, build_linear
+from blockspec.kernels.markov_walk import markov_walk_greedy
+from blockspec.kernels.triton_loader import use_triton
+from blockspec.layers.linear import Linear, QuantPlan, build_linear
 from blockspec.sampling import inverse_cdf_sample
 from blockspec.models.dflash import DFlashDraftModel, DraftEmbedding
 from blockspec.models.draft_config import DraftConfig, DraftConfigError, SUPPORTED_MARKOV_HEAD_TYPES
@@ -152,6 +154,14 @@ def run_markov_block(head: MarkovHead, base_logits: torch.Tensor, hidden: torch.
         raise ValueError(f"run_markov_block: sampled rows need uniforms u [B, γ] = {(b, gamma)}, "
                          f"got {None if u is None else tuple(u.shape)}")
 
+    if greedy_only and not return_logits and _fused_walk_ok(head, base_logits):
+        tokens = markov_walk_greedy(base_logits, head.markov_w1.weight, head.markov_w2.weight,
+                                    anchor.to(dev))
+        if not with_probs:
+            return tokens, None
+        q = torch.zeros(b, gamma, v, dtype=torch.float32, device=dev)
+        return tokens, q.scatter_(2, tokens[..., None], 1.0)
+
     tokens = torch.empty(b, gamma, dtype=torch.long, device=dev)
     probs_out = torch.empty(b, gamma, v, dtype=torch.float32, device=dev) if with_probs else None
     logits_out = torch.empty(b, gamma, v, dtype=torch.float32, device=dev) if return_logits else None
@@ -174,6 +184,13 @@ def run_markov_block(head: MarkovHead, base_logits: torch.Tensor, hidden: torch.
     if return_logits:
         return tokens, probs_out, logits_out
     return tokens, probs_out
+
+
+def _fused_walk_ok(head: MarkovHead, base_logits: torch.Tensor) -> bool:
+    """The greedy walk runs as one Triton kernel per slot for the vanilla head with dense
+    weights (its bias depends on the previous token alone)."""
+    return (type(head) is VanillaMarkovHead and type(head.markov_w2) is Linear
+            and head.markov_w2.bias is None and use_triton(base_logits))
 
 
 class DSparkDraftModel(DFlashDraftModel):
