@@ -1,6 +1,8 @@
 """Where one decode / speculative step spends its time, for the notes the performance work
-builds on: the step function run eagerly under the torch profiler (kernel count, the kernels
-by total GPU time), and the same step replayed from its CUDA graph timed with CUDA events.
+builds on: the step function run eagerly under the torch profiler (kernel count, GPU time by
+phase - draft forward, draft logits, Markov walk, verify forward, acceptance, commit - and by
+target layer kind, then the kernels by total GPU time), and the same step replayed from its
+CUDA graph timed with CUDA events.
 
     python scripts/profile_step.py --preset lightning-mini [--quantized] [--draft dflash|dspark]
         [--batch-size 1] [--width 4] --out FILE
@@ -20,6 +22,95 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from blockspec.bench import presets  # noqa: E402
 from blockspec.engine import Engine  # noqa: E402
 from blockspec.runtime.metadata import StepBatch  # noqa: E402
+
+
+class Phases:
+    """Profiler ranges around the parts of a step, added from outside (forward hooks on modules,
+    wrappers on bound methods), so the model and the worker carry no profiling code."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, list] = collections.defaultdict(list)
+
+    def _enter(self, name: str) -> None:
+        ctx = torch.profiler.record_function(name)
+        ctx.__enter__()
+        self.open[name].append(ctx)
+
+    def _exit(self, name: str) -> None:
+        self.open[name].pop().__exit__(None, None, None)
+
+    def module(self, mod: torch.nn.Module, name: str) -> None:
+        mod.register_forward_pre_hook(lambda *_: self._enter(name))
+        mod.register_forward_hook(lambda *_: self._exit(name))
+
+    def method(self, obj: object, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+
+        def wrapped(*args, **kwargs):
+            self._enter(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._exit(name)
+        setattr(obj, attr, wrapped)
+
+
+def annotate(phases: Phases, model: torch.nn.Module, draft, worker) -> None:
+    """Phase ranges: ``phase:*`` for the step's parts, ``layer:*`` for the target's mixers."""
+    for block in model.backbone.layers:
+        if block.kind == "mamba":    # the model calls the mixer's step/extend methods directly
+            for attr in ("forward_steps", "extend"):
+                phases.method(block.mixer, attr, "layer:mamba")
+        else:
+            phases.module(block.mixer, f"layer:{block.kind}")
+    if not model.tied_head:
+        phases.module(model.lm_head, "layer:lm_head")
+    if draft is None:
+        phases.module(model, "phase:target forward")
+        return
+    import blockspec.speculative.worker as worker_mod
+
+    phases.module(model, "phase:verify forward")
+    phases.method(draft, "forward_paged", "phase:draft forward")
+    phases.method(draft, "compute_logits", "phase:draft logits")
+    if hasattr(draft, "markov_walk"):
+        phases.method(draft, "markov_walk", "phase:markov walk")
+    phases.method(draft, "write_context", "phase:draft context write")
+    if worker.memory.mamba is not None:
+        phases.method(worker.memory.mamba, "commit_verify", "phase:mamba commit")
+    accept = worker_mod.verify_block
+
+    def verify_block(*args, **kwargs):
+        phases._enter("phase:accept")
+        try:
+            return accept(*args, **kwargs)
+        finally:
+            phases._exit("phase:accept")
+    worker_mod.verify_block = verify_block
+
+
+def range_table(prof, total_us: float) -> list[str]:
+    """GPU time of the kernels launched inside each ``phase:``/``layer:`` range."""
+    sums: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    for ev in prof.events():
+        if ev.name.startswith(("phase:", "layer:")) and ev.device_type == torch.autograd.DeviceType.CPU:
+            sums[ev.name] += ev.device_time_total
+            counts[ev.name] += 1
+    lines = []
+    for prefix, title in (("phase:", "by phase"), ("layer:", "target by layer kind")):
+        names = [n for n in sums if n.startswith(prefix)]
+        if not names:
+            continue
+        lines.append(f"{title} (GPU ms, share of the step's kernel time):")
+        for n in sorted(names, key=lambda n: -sums[n]):
+            lines.append(f"  {sums[n] / 1e3:8.3f} ms  {100 * sums[n] / max(total_us, 1e-9):5.1f} %"
+                         f"  x{counts[n]:<3d} {n.split(':', 1)[1]}")
+        if prefix == "phase:":
+            rest = total_us - sum(sums[n] for n in names)
+            lines.append(f"  {rest / 1e3:8.3f} ms  {100 * rest / max(total_us, 1e-9):5.1f} %"
+                         f"        other (metadata, sampling, output)")
+    return lines
 
 
 def main() -> None:
@@ -62,6 +153,9 @@ def main() -> None:
                                     runner.decode_attn, m.kv, m.mamba)
             return model(meta).logits
         kind = "verify"
+    phases = Phases()
+    if not a.verify_only:
+        annotate(phases, model, draft, e.drafter if draft is not None else None)
     key = batch.sampling_key()
     lines = [f"preset {a.preset} quantized={a.quantized} draft={a.draft} verify_only={a.verify_only} "
              f"width={a.width if draft or a.verify_only else 1} "
@@ -82,6 +176,7 @@ def main() -> None:
                 times[ev.name] += ev.device_time_total
         total = sum(times.values())
         lines.append(f"eager step: {sum(kernels.values())} GPU kernels, {total / 1e3:.3f} ms of GPU time")
+        lines += range_table(prof, total)
         for name, t in times.most_common(25):
             lines.append(f"  {t / 1e3:8.3f} ms  x{kernels[name]:<4d} {name[:110]}")
         gkey = runner.ensure_graph(kind, key, bs, fn)
