@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md. Usage: scripts/gpu_run.sh STAGE... (logs to $OUT)
-#   tests   GPU test files (runtime, engine, kernels)
-#   mini    lightning-mini benches: AR / DFlash / DSpark, bf16 and quantized, graphs vs eager
-#   full    full Nemotron 3.5 Lightning preset: bf16 and quantized, batch 1,4,16,64, transformers
+#   tests      GPU test files (runtime, engine, kernels)
+#   profile    lightning-mini step profiles (AR, DFlash, DSpark, verify alone, quantized AR)
+#   mini       lightning-mini benches: AR / DFlash / DSpark, bf16 and quantized, graphs vs eager
+#   simulate   lightning-mini with the published acceptance simulated
+#   full       full Nemotron 3.5 Lightning preset: bf16 and quantized, batch 1,4,16,64, transformers
+#   fullspec   full preset, own AR vs DFlash w6 tau 4.2 vs DSpark gamma 3 tau 3.7, batch 1,4,16,64
+#   fullprof   full preset step profiles by phase and layer kind (AR bf16 / quantized, DFlash)
+#   longctx    full preset, batch 1 decode after a 1k and a 16k prompt
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -12,13 +17,15 @@ case "$stage" in
 tests)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
   timeout 170 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_engine.py \
-      tests/test_moe_grouped.py tests/test_kernels.py -q -p no:cacheprovider \
+      tests/test_moe_grouped.py tests/test_kernels.py tests/test_markov_walk.py \
+      $(ls tests/test_moe_routing.py tests/test_rotary_kernel.py 2>/dev/null) -q -p no:cacheprovider \
       -o addopts="" -rf 2>&1 | tail -60 > "$OUT/gpu_tests.log"; tail -15 "$OUT/gpu_tests.log"
   ;;
 profile)
   P="timeout 50 python3 scripts/profile_step.py --preset lightning-mini"
   $P --out "$OUT/profile_ar.txt" 2>>"$OUT/stderr.log"
   $P --draft dflash --width 4 --out "$OUT/profile_dflash.txt" 2>>"$OUT/stderr.log"
+  $P --draft dspark --width 4 --out "$OUT/profile_dspark.txt" 2>>"$OUT/stderr.log"
   $P --verify-only --width 4 --out "$OUT/profile_verify.txt" 2>>"$OUT/stderr.log"
   $P --quantized --out "$OUT/profile_ar_quant.txt" 2>>"$OUT/stderr.log"
   grep -h "preset\|graph replay\|eager step" "$OUT"/profile_*.txt
@@ -46,6 +53,27 @@ full)
   timeout 45 $B --preset lightning-mini --random-draft dspark --speculative-num-draft-tokens 4 \
       --batch-size 1 2>>"$OUT/stderr.log"
   timeout 45 $B --preset lightning-mini --batch-size 1 2>>"$OUT/stderr.log"
+  ;;
+fullspec)
+  F="$B --preset nemotron-3.5-lightning --batch-size 1,4,16,64 --output-len 48 --repeats 2"
+  timeout 150 $F 2>>"$OUT/stderr.log"
+  timeout 180 $F --random-draft dflash --speculative-num-draft-tokens 6 \
+      --simulate-accept-length 4.2 2>>"$OUT/stderr.log"
+  timeout 180 $F --random-draft dspark --speculative-num-draft-tokens 4 \
+      --simulate-accept-length 3.7 2>>"$OUT/stderr.log"
+  ;;
+fullprof)
+  P="timeout 90 python3 scripts/profile_step.py --preset nemotron-3.5-lightning"
+  $P --out "$OUT/profile_full_ar.txt" 2>>"$OUT/stderr.log"
+  $P --quantized --out "$OUT/profile_full_ar_quant.txt" 2>>"$OUT/stderr.log"
+  $P --quantized --batch-size 64 --out "$OUT/profile_full_ar_quant_b64.txt" 2>>"$OUT/stderr.log"
+  $P --draft dflash --width 6 --out "$OUT/profile_full_dflash.txt" 2>>"$OUT/stderr.log"
+  grep -h "preset\|graph replay\|eager step" "$OUT"/profile_full_*.txt
+  ;;
+longctx)
+  L="$B --preset nemotron-3.5-lightning --batch-size 1 --output-len 32 --repeats 2"
+  timeout 120 $L --input-len 1024 2>>"$OUT/stderr.log"
+  timeout 150 $L --input-len 16384 2>>"$OUT/stderr.log"
   ;;
 esac
 done

@@ -22,6 +22,7 @@ _LIGHTNING = {
     "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
     "moe_shared_expert_intermediate_size": 3712, "intermediate_size": 1856,
     "routed_scaling_factor": 2.5, "eos_token_id": 2, "dtype": "bfloat16",
+    "max_position_embeddings": 262144,
 }
 PRESETS: dict[str, dict | None] = {
     "nemotron-3.5-lightning": {**_LIGHTNING, "hybrid_override_pattern": LIGHTNING_PATTERN},
