@@ -1,0 +1,24 @@
+"""Triton kernel of the MoE combine (``kernels/moe_combine.py`` has the launcher)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _moe_combine_kernel(Y, INV, W, SHARED, OUT, H, s_y, s_s, s_o,
+                        TOPK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """Token t, columns [hb * BLOCK_H, ...): the weighted sum of its TOPK expert rows (found
+    through INV in the expert-sorted outputs Y), rounded to the output dtype, plus the shared
+    expert's row (rounded again, as ``routed.to(dtype) + shared`` is)."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cm = c < H
+    acc = tl.full([BLOCK_H], 0.0, tl.float32)
+    for j in tl.static_range(TOPK):
+        row = tl.load(INV + t * TOPK + j).to(tl.int64)
+        wj = tl.load(W + t * TOPK + j).to(tl.float32)
+        acc += tl.load(Y + row * s_y + c, mask=cm, other=0.0).to(tl.float32) * wj
+    out = acc.to(OUT.dtype.element_ty)
+    if HAS_SHARED:
+        sh = tl.load(SHARED + t * s_s + c, mask=cm, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + sh).to(OUT.dtype.element_ty)
+    tl.store(OUT + t * s_o + c, out, mask=cm)
