@@ -28,19 +28,21 @@ def test_inverse_order_inverts():
 
 
 @pytest.mark.parametrize("mode", DEVICES, indirect=True)
-@pytest.mark.parametrize("tokens, topk, experts, hidden, dtype, shared", [
-    (1, 6, 16, 100, torch.float32, True),
-    (5, 2, 4, 2688, torch.bfloat16, True),
-    (3, 4, 8, 64, torch.float32, False),
+@pytest.mark.parametrize("tokens, topk, experts, hidden, dtype, shared, in_pair_order", [
+    (1, 6, 16, 100, torch.float32, True, False),
+    (5, 2, 4, 2688, torch.bfloat16, True, False),
+    (3, 4, 8, 64, torch.float32, False, False),
+    (4, 3, 8, 72, torch.bfloat16, True, True),
 ])
-def test_moe_combine_matches_reference(mode, tokens, topk, experts, hidden, dtype, shared):
+def test_moe_combine_matches_reference(mode, tokens, topk, experts, hidden, dtype, shared,
+                                       in_pair_order):
     g = torch.Generator().manual_seed(tokens * 100 + hidden)
     ids = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
     order, _ = sort_by_expert(ids, experts)
     y = torch.randn(tokens * topk, hidden, generator=g).to(dtype).to(mode)
     w = torch.rand(tokens, topk, generator=g).to(mode)
     sh = torch.randn(tokens, hidden, generator=g).to(dtype).to(mode) if shared else None
-    order = order.to(mode)
+    order = None if in_pair_order else order.to(mode)
     want = moe_combine_reference(y, order, w, sh, dtype)
     got = moe_combine(y, order, w, sh, dtype)
     assert got.dtype == dtype and got.shape == (tokens, hidden)

@@ -5,16 +5,21 @@ import triton.language as tl
 
 @triton.jit
 def _moe_combine_kernel(Y, INV, W, SHARED, OUT, H, s_y, s_s, s_o,
-                        TOPK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr):
+                        TOPK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        SORTED: tl.constexpr):
     """Token t, columns [hb * BLOCK_H, ...): the weighted sum of its TOPK expert rows (found
     through INV in the expert-sorted outputs Y), rounded to the output dtype, plus the shared
-    expert's row (rounded again, as ``routed.to(dtype) + shared`` is)."""
+    expert's row (rounded again, as ``routed.to(dtype) + shared`` is). Without SORTED the
+    rows are in pair order already (row t * TOPK + j)."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cm = c < H
     acc = tl.full([BLOCK_H], 0.0, tl.float32)
     for j in tl.static_range(TOPK):
-        row = tl.load(INV + t * TOPK + j).to(tl.int64)
+        if SORTED:
+            row = tl.load(INV + t * TOPK + j).to(tl.int64)
+        else:
+            row = t * TOPK + j
         wj = tl.load(W + t * TOPK + j).to(tl.float32)
         acc += tl.load(Y + row * s_y + c, mask=cm, other=0.0).to(tl.float32) * wj
     out = acc.to(OUT.dtype.element_ty)

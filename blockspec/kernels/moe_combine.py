@@ -22,24 +22,27 @@ def inverse_order(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
-def moe_combine_reference(y: torch.Tensor, order: torch.Tensor, w: torch.Tensor,
+def moe_combine_reference(y: torch.Tensor, order: torch.Tensor | None, w: torch.Tensor,
                           shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``y [P, H]`` expert outputs in expert-sorted order (``order`` from ``sort_by_expert``),
-    ``w [T, k]`` routing weights -> ``[T, H]`` in ``dtype`` (+ ``shared [T, H]``)."""
+    """``y [P, H]`` expert outputs in expert-sorted order (``order`` from ``sort_by_expert``;
+    None: already in pair order, token-major), ``w [T, k]`` routing weights -> ``[T, H]`` in
+    ``dtype`` (+ ``shared [T, H]``)."""
     t, k = w.shape
+    if order is None:
+        order = torch.arange(t * k, device=y.device)
     out = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device)
     out.index_add_(0, order // k, y.float() * w.reshape(-1)[order][:, None])
     out = out.to(dtype)
     return out if shared is None else out + shared
 
 
-def moe_combine(y: torch.Tensor, order: torch.Tensor, w: torch.Tensor,
+def moe_combine(y: torch.Tensor, order: torch.Tensor | None, w: torch.Tensor,
                 shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The fused form of ``moe_combine_reference`` (same arguments)."""
     t, k = w.shape
     h = y.shape[1]
     y = y if y.stride(-1) == 1 else y.contiguous()
-    inv = inverse_order(order)
+    inv = inverse_order(order) if order is not None else y   # (unused in pair order)
     w = w.to(torch.float32).contiguous()
     out = torch.empty(t, h, dtype=dtype, device=y.device)
     if shared is not None and shared.stride(-1) != 1:
@@ -48,5 +51,5 @@ def moe_combine(y: torch.Tensor, order: torch.Tensor, w: torch.Tensor,
     load_kernels(_KERNELS)._moe_combine_kernel[(t, -(-h // block))](
         y, inv, w, shared if shared is not None else y, out, h, y.stride(0),
         shared.stride(0) if shared is not None else 0, out.stride(0), TOPK=k, BLOCK_H=block,
-        HAS_SHARED=shared is not None, **({} if interpreting() else {"num_warps": 4}))
+        HAS_SHARED=shared is not None, SORTED=order is not None, **({} if interpreting() else {"num_warps": 4}))
     return out
