@@ -1,5 +1,6 @@
-"""The grouped W4A16 MoE path (stacked packed experts, two grouped GEMMs) against the reference
-expert loop, on a real ModelOpt MIXED_PRECISION fixture (Triton interpreter on CPU, or CUDA)."""
+"""The MoE fast paths against the reference expert loop: grouped W4A16 (stacked packed experts,
+two grouped GEMMs) and the per-pair decode path, on a real ModelOpt MIXED_PRECISION fixture, and
+the per-pair path over dense experts (Triton interpreter on CPU, or CUDA)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,7 +27,13 @@ def _compare(moe: MoE, device: str) -> None:
     h = torch.randn(37, 32, generator=g).to(device)
     ids, w = moe.gate(h)
     ref = moe.routed(h, ids, w)          # fp32 input: always the reference expert loop
-    got = moe.routed_grouped(h.to(torch.bfloat16), ids, w).float()
+    got = moe.routed_grouped(h.to(torch.bfloat16), ids, w, None).float()
+    rel = (got - ref).abs().max() / ref.abs().max()
+    assert rel < 1e-2, rel
+    # decode-sized batch through the per-pair path, with the shared expert's add fused
+    few, sh = h[:5], torch.randn(5, 32, generator=g).to(device)
+    ref = moe.routed(few, ids[:5], w[:5], sh)
+    got = moe.routed_pairs(few.to(torch.bfloat16), ids[:5], w[:5], sh.to(torch.bfloat16)).float()
     rel = (got - ref).abs().max() / ref.abs().max()
     assert rel < 1e-2, rel
     # stacked buffers are views: the per-expert modules still see the same bytes
@@ -57,3 +64,22 @@ def test_graph_safe_names_the_configurations_without_a_sync_free_path():
     dense = next(m for m in build_target("tiny", torch.device("cpu"), torch.float32).modules()
                  if isinstance(m, MoE))
     assert dense._dense is not None and dense.graph_safe(torch.float32, cuda)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_pair_path_over_dense_experts(device, monkeypatch):
+    from blockspec.bench.presets import build_target
+
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = build_target("tiny", torch.device(device), torch.float32)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(3, moe.gate.weight.shape[1], generator=g).to(device)
+    ids, w = moe.gate(h)
+    shared = moe.shared_experts(h) if moe.shared_experts is not None else None
+    want = moe.routed_reference(h, ids, w, shared)
+    got = moe.routed_pairs(h, ids, w, shared)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(moe.routed_pairs(h, ids, w.flip(1), shared), want, atol=1e-5)

@@ -5,9 +5,13 @@ chosen (group-limited top-k over ``n_group`` groups, each group scored by its be
 the weights are the un-biased scores, renormalised when ``norm_topk_prob``, times
 ``routed_scaling_factor``. Experts are non-gated: down(relu(up(x))^2).
 
-The routed experts run without reading the device back (graph-safe): (token, expert) pairs are
-sorted by expert on the device and go through grouped GEMMs over stacked expert weights
-(``torch._grouped_mm`` for dense weights, the Triton W4A16 kernel for packed NVFP4 ones).
+The routed experts run without reading the device back (graph-safe). Decode-sized batches
+(at most ``PAIR_PATH_MAX_PAIRS`` (token, expert) pairs, on the GPU) run per pair: each pair's
+programs read its expert's rows (``kernels/moe_pairs.py``; the W4A16 kernel with a one-row
+table for packed NVFP4 experts), with no sort and no gather. Larger batches sort the pairs by
+expert on the device and run grouped GEMMs over stacked expert weights (``torch._grouped_mm``
+for dense weights, the Triton W4A16 kernel for packed ones). Either way the weighted sum and
+the shared expert's add are one kernel (``kernels/moe_combine.py``) on the GPU.
 ``routed_reference`` is the plain per-expert loop the fast paths are tested against.
 """
 from __future__ import annotations
@@ -16,8 +20,14 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from blockspec.kernels.moe_combine import moe_combine, moe_combine_reference
+from blockspec.kernels.moe_pairs import pair_gemv
+from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.models.nemotron_h_config import NemotronHConfig
+
+# the per-pair path's limit: beyond it grouping pairs by expert saves weight reads
+PAIR_PATH_MAX_PAIRS = 64
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +126,8 @@ class MoE(nn.Module):
     def _use_grouped(self, h: torch.Tensor) -> bool:
         return self._grouped is not None and self.graph_safe(h.dtype, h.device)
 
-    def routed_grouped(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def routed_grouped(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                       shared: torch.Tensor | None) -> torch.Tensor:
         """All (token, expert) pairs sorted by expert through two grouped W4A16 GEMMs."""
         from blockspec.quant.triton_w4a16 import grouped_blocks, grouped_w4a16
 
@@ -127,11 +138,28 @@ class MoE(nn.Module):
         blocks = grouped_blocks(offsets, x.shape[0])
         up = grouped_w4a16(x, offsets, wu, su, s2u, blocks=blocks)
         y = grouped_w4a16(relu2(up), offsets, wd, sd, s2d, blocks=blocks)
-        out = torch.zeros(h.shape[0], y.shape[1], dtype=torch.float32, device=h.device)
-        out.index_add_(0, tok, y.float() * w.reshape(-1)[order][:, None])
-        return out.to(h.dtype)
+        return combine(y, order, w, shared, h.dtype)
 
-    def routed_dense(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def routed_pairs(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                     shared: torch.Tensor | None) -> torch.Tensor:
+        """Decode-sized batches: each (token, expert) pair through its expert's weights, in
+        pair order (no sort, no gather); see the module docstring."""
+        if self._dense is not None:
+            (wu, bu), (wd, bd) = self._dense
+            up = pair_gemv(h, ids, wu, bu, relu2=True)
+            y = pair_gemv(up, ids, wd, bd, x_per_pair=True)
+        else:
+            from blockspec.quant.triton_w4a16 import grouped_w4a16
+
+            (wu, su, s2u), (wd, sd, s2d) = self._grouped
+            blocks = _pair_blocks(ids)
+            x = h.repeat_interleave(ids.shape[1], dim=0)
+            up = grouped_w4a16(x, None, wu, su, s2u, blocks=blocks)
+            y = grouped_w4a16(relu2(up), None, wd, sd, s2d, blocks=blocks)
+        return combine(y, None, w, shared, h.dtype)
+
+    def routed_dense(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                     shared: torch.Tensor | None) -> torch.Tensor:
         """Dense stacked experts: pairs sorted by expert, ``torch._grouped_mm`` over the
         expert offsets where it runs natively (CPU; bf16 on sm90+), else each pair's expert
         weights gathered into one batched matmul. No host read either way."""
@@ -153,11 +181,10 @@ class MoE(nn.Module):
             y = torch.bmm(wd[expert], relu2(up)[:, :, None])[..., 0]
         if bd is not None:
             y = y + bd[expert]
-        out = torch.zeros(h.shape[0], y.shape[1], dtype=torch.float32, device=h.device)
-        out.index_add_(0, tok, y.float() * w.reshape(-1)[order][:, None])
-        return out.to(h.dtype)
+        return combine(y, order, w, shared, h.dtype)
 
-    def routed_reference(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def routed_reference(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                         shared: torch.Tensor | None = None) -> torch.Tensor:
         """Reference expert loop: tokens grouped by expert, weighted sum in fp32 (reads the
         expert counts back to the host; tests and the mixed-format fallback only)."""
         out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
@@ -173,24 +200,43 @@ class MoE(nn.Module):
                 y = self.experts[e](h[rows])
                 out.index_add_(0, rows, y.float() * wt[start:start + n, None])
             start += n
-        return out.to(h.dtype)
+        out = out.to(h.dtype)
+        return out if shared is None else out + shared
 
-    def routed(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def routed(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+               shared: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum in h's dtype, plus ``shared`` when given."""
+        if (ids.numel() <= PAIR_PATH_MAX_PAIRS and use_triton(h)
+                and (self._dense is not None or self._use_grouped(h))):
+            return self.routed_pairs(h, ids, w, shared)
         if self._use_grouped(h):
-            return self.routed_grouped(h, ids, w)
+            return self.routed_grouped(h, ids, w, shared)
         if self._dense is not None:
-            return self.routed_dense(h, ids, w)
-        return self.routed_reference(h, ids, w)
+            return self.routed_dense(h, ids, w, shared)
+        return self.routed_reference(h, ids, w, shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x)
-        h = self.fc1_latent_proj(x) if self.latent else x
-        y = self.routed(h, ids, w)
         if self.latent:
-            y = self.fc2_latent_proj(y)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
+            y = self.fc2_latent_proj(self.routed(self.fc1_latent_proj(x), ids, w))
+            return y if self.shared_experts is None else y + self.shared_experts(x)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.routed(x, ids, w, shared)
+
+
+def combine(y: torch.Tensor, order: torch.Tensor | None, w: torch.Tensor,
+            shared: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Weighted sum of each token's expert rows (+ the shared expert): one kernel on the GPU."""
+    if use_triton(y):
+        return moe_combine(y, order, w, shared, dtype)
+    return moe_combine_reference(y, order, w, shared, dtype)
+
+
+def _pair_blocks(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """A W4A16 row-block table with one block per (token, expert) pair, in pair order."""
+    pairs = ids.numel()
+    rows = torch.arange(pairs, dtype=torch.int32, device=ids.device)
+    return ids.reshape(-1).to(torch.int32), rows, rows + 1, pairs, 16
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
