@@ -2,11 +2,15 @@
 
 The pair for frequency i is (x[i], x[i + d/2]); angles are ``position * theta^(-2i/d)``.
 cos/sin are always computed in fp32 and the rotation is done in fp32, then cast back.
+On CUDA (inference) the rotation is one fused Triton kernel (``kernels/rotary.py``);
+``apply_rotary_reference`` is the torch math it is tested against and what the CPU runs.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from blockspec.kernels.triton_loader import use_triton
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
@@ -31,7 +35,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0,
                  inv_freq: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate ``x [..., T, heads, d]`` at ``positions [..., T]`` (leading dims broadcast)."""
+    """Rotate ``x [..., T, heads, d]`` at ``positions [..., T]`` (leading dims broadcast): the
+    fused kernel on CUDA when it covers the call, else the reference."""
+    if x.dim() < 3:
+        raise ValueError(f"apply_rotary expects x [..., T, heads, d], got shape {tuple(x.shape)}")
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(x.shape[-1], theta, device=x.device)
+    if use_triton(x):
+        from blockspec.kernels.rotary import rotary, rotary_supported
+
+        if rotary_supported(x, positions, inv_freq):
+            return rotary(x, positions, inv_freq)
+    return apply_rotary_reference(x, positions, inv_freq=inv_freq)
+
+
+def apply_rotary_reference(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0,
+                           inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch math of ``apply_rotary`` (the kernel's reference): angles, cos/sin and the
+    rotation in fp32, cast back to x's dtype."""
     if x.dim() < 3:
         raise ValueError(f"apply_rotary expects x [..., T, heads, d], got shape {tuple(x.shape)}")
     if inv_freq is None:
