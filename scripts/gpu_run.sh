@@ -16,7 +16,7 @@ for stage in "$@"; do
 case "$stage" in
 tests)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-  timeout 170 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_engine.py \
+  timeout 240 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_engine.py \
       tests/test_moe_grouped.py tests/test_kernels.py tests/test_markov_walk.py \
       tests/test_moe_pairs.py tests/test_moe_combine.py tests/test_rotary_kernel.py \
       $(ls tests/test_moe_routing.py 2>/dev/null) -q -p no:cacheprovider \
