@@ -13,6 +13,9 @@ expert on the device and run grouped GEMMs over stacked expert weights (``torch.
 for dense weights, the Triton W4A16 kernel for packed ones). Either way the weighted sum and
 the shared expert's add are one kernel (``kernels/moe_combine.py``) on the GPU.
 ``routed_reference`` is the plain per-expert loop the fast paths are tested against.
+On CUDA the routing after the router GEMM and the sort by expert are fused Triton kernels
+(kernels/moe_routing.py); ``route_reference`` and ``sort_by_expert_reference`` are the torch
+versions they are tested against.
 """
 from __future__ import annotations
 
@@ -55,21 +58,36 @@ class TopkRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert ids [T,k], weights [T,k] fp32)."""
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
-        choice = scores + self.e_score_correction_bias.float()
-        if self.n_group > 1:
-            T, E = choice.shape
-            grouped = choice.view(T, self.n_group, E // self.n_group)
-            group_score = grouped.topk(min(2, E // self.n_group), dim=-1).values.sum(-1)
-            keep = group_score.topk(self.topk_group, dim=-1).indices
-            gmask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-            choice = grouped.masked_fill(~gmask[:, :, None], float("-inf")).view(T, E)
-        ids = choice.topk(self.top_k, dim=-1).indices
-        w = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return ids, w * self.scale
+        """Returns (expert ids [T,k], weights [T,k] fp32): the router GEMM in torch, the rest
+        one fused kernel on CUDA (``route_reference`` elsewhere)."""
+        logits = F.linear(x.float(), self.weight.float())
+        args = (self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+                self.norm_topk_prob, self.scale)
+        if use_triton(logits):
+            from blockspec.kernels.moe_routing import route
+
+            return route(logits, *args)
+        return route_reference(logits, *args)
+
+
+def route_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+                    topk_group: int, norm_topk_prob: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (expert ids [T, k], weights [T, k] fp32); see the module note."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores + bias.float()
+    if n_group > 1:
+        T, E = choice.shape
+        grouped = choice.view(T, n_group, E // n_group)
+        group_score = grouped.topk(min(2, E // n_group), dim=-1).values.sum(-1)
+        keep = group_score.topk(topk_group, dim=-1).indices
+        gmask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~gmask[:, :, None], float("-inf")).view(T, E)
+    ids = choice.topk(top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * scale
 
 
 class MoE(nn.Module):
@@ -240,8 +258,20 @@ def _pair_blocks(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group (token, slot) pairs by expert: (order into ``topk_ids.flatten()``, offsets [E+1]).
-    Counts come from a scatter-add (``bincount`` would read its maximum back to the host)."""
+    """Group (token, slot) pairs by expert: (order into ``topk_ids.flatten()``, offsets [E+1]),
+    each expert's pairs in flat order. One fused kernel on CUDA for small pair counts."""
+    if use_triton(topk_ids):
+        from blockspec.kernels import moe_routing
+
+        if topk_ids.numel() <= moe_routing.SORT_MAX_PAIRS:
+            return moe_routing.sort_by_expert(topk_ids, num_experts)
+    return sort_by_expert_reference(topk_ids, num_experts)
+
+
+def sort_by_expert_reference(topk_ids: torch.Tensor,
+                             num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sort_by_expert`` in torch. Counts come from a scatter-add (``bincount`` would read its
+    maximum back to the host)."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
