@@ -171,6 +171,13 @@ def test_grouped_mm_moe_matches_reference_loop():
     assert moe._dense is not None
     h = torch.randn(37, 2688, device="cuda").bfloat16()
     ids, w = moe.gate(h)
-    got = moe.routed_dense(h, ids, w).float()
+    got = moe.routed_dense(h, ids, w, None).float()
     ref = moe.routed_reference(h, ids, w).float()
+    assert ((got - ref).abs().max() / ref.abs().max()) < 2e-2
+    # decode-sized: the per-pair path, with the shared expert's add fused into the combine
+    few = h[:3]
+    with torch.no_grad():                     # the fast paths run without autograd only
+        shared = moe.shared_experts(few)
+        got = moe.routed(few, ids[:3], w[:3], shared).float()
+        ref = moe.routed_reference(few, ids[:3], w[:3], shared).float()
     assert ((got - ref).abs().max() / ref.abs().max()) < 2e-2

@@ -100,3 +100,34 @@ def test_mamba_steps_kernel_matches_reference(mode, steps, commit, bias, limit):
         assert not torch.equal(ssm[3], torch.zeros_like(ssm[3])) and torch.equal(xs, torch.zeros_like(xs))
     else:
         assert torch.count_nonzero(ss[slots, :steps]) > 0
+
+
+@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("conv_kernel, width", [(4, 4), (4, 1), (3, 6)])
+def test_commit_verify_kernel_matches_reference(mode, conv_kernel, width):
+    """All layers adopt the state after each row's accepted position: SSM state from the
+    scratch, conv window shifted through the block's inputs (kernel vs the pool's torch code)."""
+    from blockspec.engine.memory import MambaStatePool
+    from blockspec.kernels.mamba_step import commit_verify
+
+    g = torch.Generator().manual_seed(conv_kernel * 10 + width)
+    pools = []
+    for _ in range(2):
+        p = MambaStatePool(num_layers=3, num_slots=5, conv_dim=300, conv_kernel=conv_kernel,
+                           num_heads=4, head_dim=8, state_size=16, dtype=torch.float32,
+                           device=mode)
+        p.ensure_verify(width)
+        pools.append(p)
+    for name in ("conv", "ssm", "xbc_scratch", "ssm_scratch"):
+        value = torch.randn(getattr(pools[0], name).shape, generator=g).to(mode)
+        for p in pools:
+            getattr(p, name).copy_(value)
+    slots = torch.tensor([3, 0, 4], device=mode)
+    index = torch.tensor([width - 1, 0, min(1, width - 1)], device=mode)
+    before = pools[0].conv.clone()
+    pools[0].commit_verify_reference(slots, index)
+    p = pools[1]
+    commit_verify(p.conv, p.ssm, p.xbc_scratch, p.ssm_scratch, slots, index)
+    assert torch.equal(p.ssm, pools[0].ssm) and torch.equal(p.conv, pools[0].conv)
+    assert not torch.equal(p.conv, before)                       # the windows moved
+    assert torch.equal(p.conv[:, [1, 2]], before[:, [1, 2]])     # other slots untouched

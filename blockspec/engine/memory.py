@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blockspec.kernels.mamba_step import commit_verify
+from blockspec.kernels.triton_loader import use_triton
+
 
 class BlockAllocator:
     def __init__(self, num_blocks: int, block_size: int, first: int = 0) -> None:
@@ -90,7 +93,15 @@ class MambaStatePool:
     def commit_verify(self, slots: torch.Tensor, index: torch.Tensor) -> None:
         """Every layer adopts the state after block position ``index[b]`` (0-based) for slot
         ``slots[b]``: the SSM state is copied from the scratch; the conv window after position
-        i is the last K-1 columns of [window | xbc[:i+1]]. Device ops only (graph-safe)."""
+        i is the last K-1 columns of [window | xbc[:i+1]]. Device ops only (graph-safe): one
+        kernel for all layers on CUDA (``kernels/mamba_step.commit_verify``), else
+        ``commit_verify_reference``."""
+        if use_triton(self.ssm):
+            commit_verify(self.conv, self.ssm, self.xbc_scratch, self.ssm_scratch, slots, index)
+        else:
+            self.commit_verify_reference(slots, index)
+
+    def commit_verify_reference(self, slots: torch.Tensor, index: torch.Tensor) -> None:
         keep = self.conv.shape[-1]
         self.ssm[:, slots] = self.ssm_scratch[:, slots, index]
         full = torch.cat([self.conv[:, slots], self.xbc_scratch[:, slots].transpose(-1, -2)], dim=-1)

@@ -142,3 +142,38 @@ def _conv_window_kernel(ZXBCDT, CONV_STATE, SLOTS, s_xr, s_cs, DINNER: tl.conste
     tl.store(cs + 0, v0, mask=m)
     tl.store(cs + 1, v1, mask=m)
     tl.store(cs + 2, v2, mask=m)
+
+
+@triton.jit
+def _commit_verify_kernel(SSM, SSM_SCR, CONV, XBC_SCR, SLOTS, INDEX, STATE, C,
+                          s_sl, s_ss, s_kl, s_ks, s_st, s_cl, s_cs, s_xl, s_xs, s_xt,
+                          KEEP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK: tl.constexpr,
+                          BLOCK_C: tl.constexpr, SSM_CHUNKS: tl.constexpr):
+    """Program (layer, row, chunk): chunks below SSM_CHUNKS copy a BLOCK of the SSM state after
+    block position INDEX[row] from the scratch into the pool; the others rebuild BLOCK_C
+    channels of the conv window: column j of the new window is column INDEX + 1 + j of
+    [old window | the block's pre-conv inputs]."""
+    layer = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1)
+    chunk = tl.program_id(2)
+    slot = tl.load(SLOTS + row).to(tl.int64)
+    idx = tl.load(INDEX + row).to(tl.int64)
+    if chunk < SSM_CHUNKS:
+        o = chunk * BLOCK + tl.arange(0, BLOCK)
+        m = o < STATE
+        v = tl.load(SSM_SCR + layer * s_kl + slot * s_ks + idx * s_st + o, mask=m)
+        tl.store(SSM + layer * s_sl + slot * s_ss + o, v, mask=m)
+    else:
+        c = (chunk - SSM_CHUNKS) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = c < C
+        j = tl.arange(0, BLOCK_J)
+        jm = j < KEEP
+        q = idx + 1 + j                                   # column in [window | inputs]
+        from_old = q[None, :] < KEEP
+        old = tl.load(CONV + layer * s_cl + slot * s_cs + c[:, None] * KEEP + q[None, :],
+                      mask=cm[:, None] & jm[None, :] & from_old, other=0.0)
+        new = tl.load(XBC_SCR + layer * s_xl + slot * s_xs + (q[None, :] - KEEP) * s_xt + c[:, None],
+                      mask=cm[:, None] & jm[None, :] & (q[None, :] >= KEEP), other=0.0)
+        win = tl.where(from_old, old, new)
+        tl.store(CONV + layer * s_cl + slot * s_cs + c[:, None] * KEEP + j[None, :], win,
+                 mask=cm[:, None] & jm[None, :])

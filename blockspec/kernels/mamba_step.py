@@ -56,3 +56,25 @@ def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: t
             zxbcdt, conv_state, slots, zxbcdt.stride(0), conv_state.stride(0), DINNER=d_inner,
             CONV=conv_dim, T=steps, BLOCK=block, **extra)
     return y
+
+
+def commit_verify(conv: torch.Tensor, ssm: torch.Tensor, xbc_scratch: torch.Tensor,
+                  ssm_scratch: torch.Tensor, slots: torch.Tensor, index: torch.Tensor) -> None:
+    """Every layer adopts, for slot ``slots[b]``, the state after verify position ``index[b]``:
+    the SSM state from the scratch and the conv window shifted by index + 1 inputs, all
+    layers in one launch. Pools as in ``MambaStatePool``; its torch code is the reference."""
+    L, _, C, keep = conv.shape
+    state = ssm[0, 0].numel()
+    if not (conv.is_contiguous() and ssm.is_contiguous() and ssm_scratch.is_contiguous()
+            and xbc_scratch.is_contiguous()):
+        raise ValueError("commit_verify: the state pools and scratch must be contiguous")
+    block, block_c = 4096, 256
+    ssm_chunks = -(-state // block)
+    grid = (L, slots.shape[0], ssm_chunks + -(-C // block_c))
+    load_kernels(_KERNELS)._commit_verify_kernel[grid](
+        ssm, ssm_scratch, conv, xbc_scratch, slots, index, state, C,
+        ssm.stride(0), ssm.stride(1), ssm_scratch.stride(0), ssm_scratch.stride(1),
+        ssm_scratch.stride(2), conv.stride(0), conv.stride(1), xbc_scratch.stride(0),
+        xbc_scratch.stride(1), xbc_scratch.stride(2), KEEP=keep,
+        BLOCK_J=max(2, 1 << (keep - 1).bit_length()), BLOCK=block, BLOCK_C=block_c,
+        SSM_CHUNKS=ssm_chunks, **({} if interpreting() else {"num_warps": 4}))
