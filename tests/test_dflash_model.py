@@ -369,3 +369,25 @@ def test_checkpoint_names_load_name_for_name():
     for k, v in src.state_dict().items():
         assert torch.equal(dst.state_dict()[k], v), k
     assert dst.layers[0].self_attn.attention_sink_bias.dtype == torch.float32
+
+
+def test_fused_projections_match_separate_ones():
+    """Serving fuses q/k/v and gate/up into one GEMM each over shared weight storage: the same
+    K/V, the same MLP output, and the per-projection modules still see the same bytes."""
+    import copy
+
+    cfg = make_cfg()
+    plain = make_model(cfg)
+    fused = copy.deepcopy(plain)
+    fused.fuse()
+    attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    assert attn.qkv_weight is not None and mlp.gate_up_weight is not None
+    assert attn.k_proj.weight.data_ptr() == attn.qkv_weight[NH * D:].data_ptr()
+    g = torch.Generator().manual_seed(5)
+    feat = torch.randn(6, K * H, generator=g)
+    pos = torch.arange(3, 9)
+    for (k, v), (kf, vf) in zip(plain.project_context(feat, pos), fused.project_context(feat, pos)):
+        torch.testing.assert_close(kf, k, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(vf, v, rtol=1e-6, atol=1e-6)
+    x = torch.randn(4, H, generator=g)
+    torch.testing.assert_close(mlp(x), plain.layers[0].mlp(x), rtol=1e-6, atol=1e-6)

@@ -17,6 +17,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from blockspec.attention.torch_native import masked_attention
+from blockspec.layers.fused_linear import fuse_linears
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
@@ -135,19 +136,29 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.rotary = RotaryEmbedding(d, cfg.rope_thetas[layer_idx])
+        self.qkv_weight: torch.Tensor | None = None     # set by fuse(): [q; k; v] rows
         if cfg.attention_sink_bias:
             self.attention_sink_bias = nn.Parameter(torch.zeros(nh, dtype=torch.float32),
                                                     requires_grad=False)
         else:
             self.attention_sink_bias = None
 
+    def fuse(self) -> None:
+        """Serving: q/k/v (and k/v for the context) as one GEMM each (``fuse_linears``)."""
+        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def _kv_rows(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        lead = k.shape[:-1]
+        k = self.rotary(self.k_norm(k.reshape(*lead, self.num_kv_heads, self.head_dim)), positions)
+        return k, v.reshape(*lead, self.num_kv_heads, self.head_dim)
+
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (k_norm + RoPE) and V of ``x [..., T, H]`` at ``positions [..., T]``."""
-        lead = x.shape[:-1]
-        k = self.k_norm(self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim))
-        k = self.rotary(k, positions)
-        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        return k, v
+        if self.qkv_weight is not None:
+            kv = F.linear(x, self.qkv_weight[self.num_heads * self.head_dim:])
+            return self._kv_rows(*kv.split(self.num_kv_heads * self.head_dim, dim=-1), positions)
+        return self._kv_rows(self.k_proj(x), self.v_proj(x), positions)
 
     def forward(self, hn: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor | None,
                 ctx_v: torch.Tensor | None, allowed: torch.Tensor, impl: str) -> torch.Tensor:
@@ -167,9 +178,14 @@ class DraftAttention(nn.Module):
         draft context pool at the block positions (beyond the committed length, so a later
         commit overwrites them) and each row attends to context + block."""
         n = hn.shape[0]
-        q = self.rotary(self.q_norm(self.q_proj(hn).reshape(n, self.num_heads, self.head_dim)),
-                        meta.positions)
-        k, v = self.project_kv(hn, meta.positions)
+        if self.qkv_weight is not None:
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(hn, self.qkv_weight).split([nq, nkv, nkv], dim=-1)
+            k, v = self._kv_rows(k, v, meta.positions)
+        else:
+            q = self.q_proj(hn)
+            k, v = self.project_kv(hn, meta.positions)
+        q = self.rotary(self.q_norm(q.reshape(n, self.num_heads, self.head_dim)), meta.positions)
         o = meta.attn.forward(q, k, v, meta.kv.k[cache_index], meta.kv.v[cache_index], meta,
                               scale=self.scale, causal=causal, window=window,
                               sink=self.attention_sink_bias)
@@ -185,8 +201,15 @@ class DraftMLP(nn.Module):
         self.gate_proj = build_linear(f"{p}.gate_proj", h, i, False, quant, dtype)
         self.up_proj = build_linear(f"{p}.up_proj", h, i, False, quant, dtype)
         self.down_proj = build_linear(f"{p}.down_proj", i, h, False, quant, dtype)
+        self.gate_up_weight: torch.Tensor | None = None   # set by fuse(): [gate; up] rows
+
+    def fuse(self) -> None:
+        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -382,6 +405,13 @@ class DFlashDraftModel(nn.Module):
                 masks[key] = build_attention_mask(positions, k_pos, k_valid, *key)
             h = layer(h, positions, ctx_k[i], ctx_v[i], masks[key], self.attn_impl)
         return self.norm(h)
+
+    def fuse(self) -> None:
+        """Serving: each layer's q/k/v and gate/up projections as one GEMM (weights stay shared
+        with the per-projection modules; quantized layers are left as they are)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def forward_paged(self, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
         """Serving path: the embedded block rows ``x [N, H]`` (N = B x Q, positions in

@@ -27,6 +27,7 @@ class SpecWorker:
     def __init__(self, draft: DFlashDraftModel, runner: ModelRunner, draft_backend: str,
                  dtype: torch.dtype) -> None:
         self.draft, self.runner, self.target = draft, runner, runner.model
+        draft.fuse()
         self.memory = runner.memory
         cfg = draft.config
         self.gamma = cfg.gamma
