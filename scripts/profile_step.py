@@ -89,17 +89,27 @@ def annotate(phases: Phases, model: torch.nn.Module, draft, worker) -> None:
     worker_mod.verify_block = verify_block
 
 
+def _is_range(name: str) -> bool:
+    return name.startswith(("phase:", "layer:"))
+
+
 def range_table(prof, total_us: float) -> list[str]:
-    """GPU time of the kernels launched inside each ``phase:``/``layer:`` range."""
+    """GPU time of the kernels that ran inside each ``phase:``/``layer:`` range, attributed by
+    the ranges' spans on the GPU timeline (Triton launches are not linked to the CPU op that
+    issued them, so the CPU events' device totals would miss them)."""
+    cuda = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    spans = [(ev.name, ev.time_range.start, ev.time_range.end) for ev in cuda if _is_range(ev.name)]
     sums: collections.Counter = collections.Counter()
-    counts: collections.Counter = collections.Counter()
-    for ev in prof.events():
-        if ev.name.startswith(("phase:", "layer:")) and ev.device_type == torch.autograd.DeviceType.CPU:
-            sums[ev.name] += ev.device_time_total
-            counts[ev.name] += 1
+    counts = collections.Counter(name for name, _, _ in spans)
+    for ev in cuda:
+        if _is_range(ev.name):
+            continue
+        for name, lo, hi in spans:
+            if lo <= ev.time_range.start < hi:
+                sums[name] += ev.time_range.elapsed_us()
     lines = []
     for prefix, title in (("phase:", "by phase"), ("layer:", "target by layer kind")):
-        names = [n for n in sums if n.startswith(prefix)]
+        names = [n for n in counts if n.startswith(prefix)]
         if not names:
             continue
         lines.append(f"{title} (GPU ms, share of the step's kernel time):")
@@ -171,7 +181,7 @@ def main() -> None:
         kernels = collections.Counter()
         times = collections.Counter()
         for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
+            if ev.device_type == torch.autograd.DeviceType.CUDA and not _is_range(ev.name):
                 kernels[ev.name] += 1
                 times[ev.name] += ev.device_time_total
         total = sum(times.values())
