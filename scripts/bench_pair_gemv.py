@@ -1,0 +1,68 @@
+"""Tile sweep of the per-pair expert GEMV at Lightning's expert shapes, timed in CUDA graphs:
+achieved GB/s per (pairs, projection, block_n, block_k, warps) next to the default pick.
+
+    python scripts/bench_pair_gemv.py [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from blockspec.kernels.moe_pairs import pair_gemv, pick_block_n  # noqa: E402
+
+
+def timed(fn, reps: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    start.record()
+    g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1e3      # us per call
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    experts, hidden, inner = 128, 2688, 1856
+    wu = torch.randn(experts, inner, hidden, device=dev, dtype=torch.bfloat16) * 0.02
+    wd = torch.randn(experts, hidden, inner, device=dev, dtype=torch.bfloat16) * 0.02
+    lines = ["pairs proj block_n block_k warps us GBps default"]
+    with torch.inference_mode():
+        for tokens in (1, 4, 6):
+            ids = torch.stack([torch.randperm(experts, device=dev)[:6] for _ in range(tokens)])
+            pairs = ids.numel()
+            x = torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16)
+            up = torch.randn(pairs, inner, device=dev, dtype=torch.bfloat16)
+            for proj, w, inp, per_pair in (("up", wu, x, False), ("down", wd, up, True)):
+                nbytes = pairs * w[0].numel() * 2
+                pick = pick_block_n(pairs, w.shape[1], dev)
+                for bn in (16, 32, 64):
+                    for bk in (64, 128, 256):
+                        for warps in (2, 4, 8):
+                            us = timed(lambda: pair_gemv(inp, ids, w, x_per_pair=per_pair,
+                                                         block_n=bn, block_k=bk, num_warps=warps))
+                            mark = "*" if (bn, bk, warps) == (pick, 128, 4) else ""
+                            lines.append(f"{pairs} {proj} {bn} {bk} {warps} {us:.1f} "
+                                         f"{nbytes / us / 1e3:.0f} {mark}")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
