@@ -1,5 +1,5 @@
 """Tile sweep of the per-pair expert GEMV at Lightning's expert shapes, timed in CUDA graphs:
-achieved GB/s per (pairs, projection, block_n, block_k, warps) next to the default pick.
+achieved GB/s per (pairs, projection, block_n, block_k, warps); * marks the default.
 
     python scripts/bench_pair_gemv.py [--out FILE]
 """
@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from blockspec.kernels.moe_pairs import pair_gemv, pick_block_n  # noqa: E402
+from blockspec.kernels.moe_pairs import pair_gemv  # noqa: E402
 
 
 def timed(fn, reps: int = 50) -> float:
@@ -49,12 +49,11 @@ def main() -> None:
             up = torch.randn(pairs, inner, device=dev, dtype=torch.bfloat16)
             for proj, w, inp, per_pair in (("up", wu, x, False), ("down", wd, up, True)):
                 nbytes = pairs * w[0].numel() * 2
-                pick = pick_block_n(pairs, w.shape[1], dev)
                 for bn in (16, 32, 64):
                     for bk, warps in ((128, 4), (256, 4), (128, 8)):
                         us = timed(lambda: pair_gemv(inp, ids, w, x_per_pair=per_pair,
                                                      block_n=bn, block_k=bk, num_warps=warps))
-                        mark = "*" if (bn, bk, warps) == (pick, 128, 4) else ""
+                        mark = "*" if (bn, bk, warps) == (16, 128, 8) else ""
                         lines.append(f"{pairs} {proj} {bn} {bk} {warps} {us:.1f} "
                                      f"{nbytes / us / 1e3:.0f} {mark}")
     text = "\n".join(lines)

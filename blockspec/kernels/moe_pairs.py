@@ -8,7 +8,6 @@ its expert's weight rows and multiplies them by one row of x. Outputs stay in pa
 """
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import torch
@@ -30,26 +29,14 @@ def pair_gemv_reference(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor
     return torch.square(F.relu(y)) if relu2 else y
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-def pick_block_n(pairs: int, n: int, device: torch.device) -> int:
-    """The widest column tile (64, 32, 16) that still gives about four programs per SM: with
-    one token's six experts a 64-wide tile leaves the GPU at 1.3 waves of long programs."""
-    for block in (64, 32):
-        if pairs * -(-n // block) >= 4 * _sm_count(device):
-            return block
-    return 16
-
-
 def pair_gemv(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None = None, *, relu2: bool = False,
-              x_per_pair: bool = False, block_n: int | None = None, block_k: int = 128,
-              num_warps: int = 4) -> torch.Tensor:
-    """The fused form of ``pair_gemv_reference`` (same arguments), one launch; the tile
-    keywords are for tuning (``scripts/bench_pair_gemv.py``)."""
+              x_per_pair: bool = False, block_n: int = 16, block_k: int = 128,
+              num_warps: int = 8) -> torch.Tensor:
+    """The fused form of ``pair_gemv_reference`` (same arguments), one launch. The default
+    tile (16 columns x 128, 8 warps) was the fastest of the sweep in
+    ``scripts/bench_pair_gemv.py`` on an H200 at 6 and 24 pairs of Lightning's expert shapes
+    (3.5 and 4.1-4.3 TB/s; docs/benchmarks.md)."""
     pairs, k = ids.numel(), ids.shape[1]
     e, n, kdim = weight.shape
     if x.shape[-1] != kdim or weight.stride(-1) != 1:
@@ -58,7 +45,6 @@ def pair_gemv(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = ids.reshape(-1).contiguous()
     y = torch.empty(pairs, n, dtype=x.dtype, device=x.device)
-    block_n = block_n or pick_block_n(pairs, n, x.device)
     opts = {} if interpreting() else {"num_warps": num_warps, "num_stages": 4}
     load_kernels(_KERNELS)._pair_gemv_kernel[(pairs, -(-n // block_n))](
         x, ids, weight, bias if bias is not None else weight, y, n, kdim, x.stride(0),
