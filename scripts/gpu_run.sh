@@ -56,7 +56,7 @@ full)
   timeout 45 $B --preset lightning-mini --batch-size 1 2>>"$OUT/stderr.log"
   ;;
 fullspec)
-  F="$B --preset nemotron-3.5-lightning --batch-size 1,4,16,64 --output-len 48 --repeats 2"
+  F="$B --preset nemotron-3.5-lightning --batch-size 1,4,16,64 --output-len 128 --repeats 2"
   timeout 150 $F 2>>"$OUT/stderr.log"
   timeout 180 $F --random-draft dflash --speculative-num-draft-tokens 6 \
       --simulate-accept-length 4.2 2>>"$OUT/stderr.log"
@@ -72,7 +72,7 @@ fullprof)
   grep -h "preset\|graph replay\|eager step" "$OUT"/profile_full_*.txt
   ;;
 longctx)
-  L="$B --preset nemotron-3.5-lightning --batch-size 1 --output-len 32 --repeats 2"
+  L="$B --preset nemotron-3.5-lightning --batch-size 1 --output-len 128 --repeats 2"
   timeout 120 $L --input-len 1024 2>>"$OUT/stderr.log"
   timeout 150 $L --input-len 16384 2>>"$OUT/stderr.log"
   ;;
