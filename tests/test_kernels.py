@@ -9,20 +9,14 @@ from blockspec.layers.mamba2 import Mamba2Mixer
 from blockspec.layers.norm import GatedGroupRMSNorm, RMSNorm
 from blockspec.models.nemotron_h_config import NemotronHConfig
 
+from tests.triton_modes import GPU, MODES, mode  # noqa: F401  (mode: fixture)
+
 pytest.importorskip("triton")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
-@pytest.fixture
-def mode(request, monkeypatch):
-    if request.param == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return torch.device(request.param)
 
-
-@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("mode", MODES, indirect=True)
 @pytest.mark.parametrize("width, residual", [(100, False), (96, True), (2688, True)])
 def test_rms_norm_kernel_matches_reference(mode, width, residual):
     from blockspec.kernels.norm import rms_norm
@@ -38,7 +32,7 @@ def test_rms_norm_kernel_matches_reference(mode, width, residual):
     torch.testing.assert_close(y, norm.reference(want_h), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("mode", MODES, indirect=True)
 def test_gated_rms_norm_kernel_matches_reference(mode):
     from blockspec.kernels.norm import gated_rms_norm
 
@@ -67,7 +61,7 @@ def _mixer(seed: int, bias: bool, limit) -> Mamba2Mixer:
     return m
 
 
-@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("mode", MODES, indirect=True)
 @pytest.mark.parametrize("steps, commit, bias, limit", [
     (1, True, True, [0.0, float("inf")]), (3, False, True, [0.0, float("inf")]),
     (4, True, False, [0.01, 0.5]), (2, False, False, [0.05, 10.0])])
@@ -102,7 +96,7 @@ def test_mamba_steps_kernel_matches_reference(mode, steps, commit, bias, limit):
         assert torch.count_nonzero(ss[slots, :steps]) > 0
 
 
-@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("mode", MODES, indirect=True)
 @pytest.mark.parametrize("conv_kernel, width", [(4, 4), (4, 1), (3, 6)])
 def test_commit_verify_kernel_matches_reference(mode, conv_kernel, width):
     """All layers adopt the state after each row's accepted position: SSM state from the

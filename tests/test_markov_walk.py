@@ -7,17 +7,11 @@ import torch
 
 from blockspec.models.dspark import VanillaMarkovHead, run_markov_block
 
+from tests.triton_modes import GPU, MODES, mode  # noqa: F401  (mode: fixture)
+
 pytest.importorskip("triton")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])]
 
-
-@pytest.fixture
-def mode(request, monkeypatch):
-    if request.param == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return torch.device(request.param)
 
 
 def _head(vocab: int, rank: int, dtype: torch.dtype, device: torch.device, seed: int):
@@ -28,13 +22,13 @@ def _head(vocab: int, rank: int, dtype: torch.dtype, device: torch.device, seed:
     return head.to(device)
 
 
-@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("mode", MODES, indirect=True)
 @pytest.mark.parametrize("batch, gamma, vocab, rank, dtype", [
     (1, 3, 1000, 64, torch.float32),      # vocabulary not a multiple of the block
     (3, 4, 2048, 24, torch.bfloat16),     # rank not a power of two, bias rounded to bf16
     (2, 1, 300, 256, torch.float32),      # one slot, wide rank
 ])
-def test_greedy_walk_kernel_matches_reference(mode, batch, gamma, vocab, rank, dtype):
+def test_greedy_walk_kernel_matches_reference(mode, batch, gamma, vocab, rank, dtype, monkeypatch):
     from blockspec.kernels.markov_walk import markov_walk_greedy
 
     head = _head(vocab, rank, dtype, mode, seed=vocab + rank)
@@ -43,13 +37,17 @@ def test_greedy_walk_kernel_matches_reference(mode, batch, gamma, vocab, rank, d
     base = (torch.randn(batch, gamma, vocab, generator=g) * 2).to(dtype).to(mode)
     anchor = torch.randint(0, vocab, (batch,), generator=g).to(mode)
     hidden = torch.zeros(batch, gamma, 8, dtype=dtype, device=mode)
-    with torch.no_grad():
-        want, _ = run_markov_block(head, base.cpu().float() if mode.type == "cpu" else base,
-                                   hidden, anchor, torch.zeros(batch), greedy_only=True,
-                                   with_probs=False)
+    walk = dict(greedy_only=True, with_probs=False)
+    with torch.no_grad(), monkeypatch.context() as m:
+        m.setenv("BLOCKSPEC_DISABLE_TRITON", "1")        # the torch walk, even on CUDA
+        want, _ = run_markov_block(head, base, hidden, anchor, torch.zeros(batch), **walk)
     got = markov_walk_greedy(base, head.markov_w1.weight, head.markov_w2.weight, anchor)
     assert got.dtype == torch.int64 and got.shape == (batch, gamma)
     torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=0)
+    if mode.type == "cuda":                               # and the walk takes the kernel there
+        with torch.no_grad():
+            fused, _ = run_markov_block(head, base, hidden, anchor, torch.zeros(batch), **walk)
+        torch.testing.assert_close(fused, got, rtol=0, atol=0)
     # the walk must matter: the tokens differ from the argmax of the base logits alone
     if gamma > 1:
         assert not torch.equal(got.cpu(), base.float().argmax(-1).cpu())

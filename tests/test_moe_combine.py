@@ -8,17 +8,11 @@ import torch
 from blockspec.kernels.moe_combine import inverse_order, moe_combine, moe_combine_reference
 from blockspec.layers.moe import sort_by_expert
 
+from tests.triton_modes import GPU, MODES, mode  # noqa: F401  (mode: fixture)
+
 pytest.importorskip("triton")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])]
 
-
-@pytest.fixture
-def mode(request, monkeypatch):
-    if request.param == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return torch.device(request.param)
 
 
 def test_inverse_order_inverts():
@@ -27,7 +21,7 @@ def test_inverse_order_inverts():
     assert torch.equal(order[inv], torch.arange(37))
 
 
-@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("mode", MODES, indirect=True)
 @pytest.mark.parametrize("tokens, topk, experts, hidden, dtype, shared, in_pair_order", [
     (1, 6, 16, 100, torch.float32, True, False),
     (5, 2, 4, 2688, torch.bfloat16, True, False),

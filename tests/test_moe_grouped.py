@@ -11,6 +11,8 @@ import torch
 from blockspec import Engine
 from blockspec.layers.moe import MoE
 
+from tests.triton_modes import MODES, mode  # noqa: F401  (mode: fixture)
+
 pytest.importorskip("triton")
 FIXTURE = Path(__file__).parent / "fixtures" / "modelopt" / "mixed_lightning"
 
@@ -26,13 +28,13 @@ def _compare(moe: MoE, device: str) -> None:
     g = torch.Generator().manual_seed(0)
     h = torch.randn(37, 32, generator=g).to(device)
     ids, w = moe.gate(h)
-    ref = moe.routed(h, ids, w)          # fp32 input: always the reference expert loop
+    ref = moe.routed_reference(h, ids, w)
     got = moe.routed_grouped(h.to(torch.bfloat16), ids, w, None).float()
     rel = (got - ref).abs().max() / ref.abs().max()
     assert rel < 1e-2, rel
     # decode-sized batch through the per-pair path, with the shared expert's add fused
     few, sh = h[:5], torch.randn(5, 32, generator=g).to(device)
-    ref = moe.routed(few, ids[:5], w[:5], sh)
+    ref = moe.routed_reference(few, ids[:5], w[:5], sh)
     got = moe.routed_pairs(few.to(torch.bfloat16), ids[:5], w[:5], sh.to(torch.bfloat16)).float()
     rel = (got - ref).abs().max() / ref.abs().max()
     assert rel < 1e-2, rel
@@ -66,14 +68,12 @@ def test_graph_safe_names_the_configurations_without_a_sync_free_path():
     assert dense._dense is not None and dense.graph_safe(torch.float32, cuda)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_pair_path_over_dense_experts(device, monkeypatch):
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_pair_path_over_dense_experts(mode):
     from blockspec.bench.presets import build_target
 
-    if device == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    model = build_target("tiny", torch.device(device), torch.float32)
+    device = mode
+    model = build_target("tiny", device, torch.float32)
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     g = torch.Generator().manual_seed(1)
     h = torch.randn(3, moe.gate.weight.shape[1], generator=g).to(device)

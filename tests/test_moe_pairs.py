@@ -7,20 +7,14 @@ import torch
 
 from blockspec.kernels.moe_pairs import pair_gemv, pair_gemv_reference
 
+from tests.triton_modes import GPU, MODES, mode  # noqa: F401  (mode: fixture)
+
 pytest.importorskip("triton")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
-@pytest.fixture
-def mode(request, monkeypatch):
-    if request.param == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return torch.device(request.param)
 
-
-@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("mode", MODES, indirect=True)
 @pytest.mark.parametrize("tokens, topk, experts, n, k, dtype, bias, relu2, per_pair", [
     (1, 6, 16, 100, 200, torch.float32, False, True, False),     # ragged N and K
     (3, 2, 4, 64, 256, torch.bfloat16, True, False, False),

@@ -8,23 +8,17 @@ import torch
 
 from blockspec.layers.moe import route_reference, sort_by_expert_reference
 
+from tests.triton_modes import GPU, MODES, mode  # noqa: F401  (mode: fixture)
+
 pytest.importorskip("triton")
 
-GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
 # (tokens, top_k, experts) of the sort; the interpreter runs the small ones only
 SORTS = [(1, 6, 128), (16, 6, 128), (37, 6, 128), (50, 2, 40), (3, 1, 1000), (5, 16, 512)]
 GPU_SORTS = [(682, 6, 128), (256, 16, 512), (1000, 4, 64)]
 
 
-@pytest.fixture
-def mode(request, monkeypatch):
-    if request.param == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return torch.device(request.param)
 
-
-@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("mode", MODES, indirect=True)
 @pytest.mark.parametrize("tokens, experts, top_k, n_group, topk_group, norm, scale", [
     (1, 128, 6, 1, 1, True, 2.5),        # Lightning
     (37, 128, 6, 1, 1, False, 1.0),
@@ -54,7 +48,7 @@ def test_route_kernel_matches_reference(mode, tokens, experts, top_k, n_group, t
         torch.testing.assert_close(w.sum(-1), torch.full((tokens,), scale, device=mode))
 
 
-@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("mode", MODES, indirect=True)
 def test_route_kernel_ties_go_to_the_smaller_expert(mode):
     """Documented tie rule: equal choice values are taken smallest expert index first."""
     from blockspec.kernels.moe_routing import route

@@ -9,17 +9,11 @@ from blockspec.kernels.rotary import rotary, rotary_supported
 from blockspec.layers import rotary as rotary_layer
 from blockspec.layers.rotary import RotaryEmbedding, apply_rotary_reference, rope_inv_freq
 
+from tests.triton_modes import GPU, MODES, mode  # noqa: F401  (mode: fixture)
+
 pytest.importorskip("triton")
 
-CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
-
-@pytest.fixture
-def mode(request, monkeypatch):
-    if request.param == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return torch.device(request.param)
 
 
 def _ordered(x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +49,7 @@ def _inputs(lead: tuple[int, ...], heads: int, d: int, dtype: torch.dtype, seed:
 SHAPES = [((5,), 1, 16), ((2, 3, 4), 4, 64), ((3,), 32, 128), ((2, 3), 3, 96)]
 
 
-@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("mode", MODES, indirect=True)
 @pytest.mark.parametrize("lead, heads, d", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_kernel_matches_reference(mode, lead, heads, d, dtype):
@@ -71,7 +65,7 @@ def test_rotary_kernel_matches_reference(mode, lead, heads, d, dtype):
     assert not torch.equal(out, x), "positions > 0 must rotate something"
 
 
-@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("mode", MODES, indirect=True)
 def test_rotary_kernel_fp16_and_small_theta(mode):
     """fp16 input and a small theta (fast-turning frequencies) at positions near 32k."""
     x, pos = _inputs((2, 6), 2, 32, torch.float16, seed=5)
@@ -80,7 +74,7 @@ def test_rotary_kernel_fp16_and_small_theta(mode):
     _assert_matches(rotary(x, pos, inv_freq), apply_rotary_reference(x, pos, inv_freq=inv_freq))
 
 
-@pytest.mark.parametrize("mode", DEVICES, indirect=True)
+@pytest.mark.parametrize("mode", MODES, indirect=True)
 def test_rotary_kernel_broadcast_positions_and_strided_input(mode):
     """x a head slice of a fused q|k projection (rows and heads strided, last dim contiguous),
     positions [T] int32 broadcast over the batch, frequencies held in bf16 (a module cast)."""
