@@ -9,36 +9,19 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from blockspec.bench.timing import graph_time_ms  # noqa: E402
 from blockspec.kernels import moe_routing as mr  # noqa: E402
 from blockspec.layers.moe import route_reference, sort_by_expert_reference  # noqa: E402
 
 
-def graph_us(fn: Callable[[], object], reps: int = 20, iters: int = 100) -> float:
-    """Mean microseconds of one ``fn()``: ``reps`` calls captured in one graph, replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (reps * iters)
+def graph_us(fn) -> float:
+    """Microseconds of one ``fn()`` inside a CUDA graph (``bench/timing.graph_time_ms``)."""
+    return 1000 * graph_time_ms(fn, calls=20, reps=20)
 
 
 def exactness(dev: torch.device) -> None:

@@ -13,23 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from blockspec.bench.timing import graph_time_ms  # noqa: E402
 from blockspec.kernels.moe_pairs import pair_gemv  # noqa: E402
-
-
-def timed(fn, reps: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    start.record()
-    g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3      # us per call
 
 
 def main() -> None:
@@ -51,8 +36,9 @@ def main() -> None:
                 nbytes = pairs * w[0].numel() * 2
                 for bn in (16, 32, 64):
                     for bk, warps in ((128, 4), (256, 4), (128, 8)):
-                        us = timed(lambda: pair_gemv(inp, ids, w, x_per_pair=per_pair,
-                                                     block_n=bn, block_k=bk, num_warps=warps))
+                        call = lambda: pair_gemv(inp, ids, w, x_per_pair=per_pair,  # noqa: E731
+                                                 block_n=bn, block_k=bk, num_warps=warps)
+                        us = 1000 * graph_time_ms(call, calls=50, reps=5)
                         mark = "*" if (bn, bk, warps) == (16, 128, 8) else ""
                         lines.append(f"{pairs} {proj} {bn} {bk} {warps} {us:.1f} "
                                      f"{nbytes / us / 1e3:.0f} {mark}")

@@ -11,14 +11,13 @@ what the tests compare against.
 """
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from blockspec.attention.base import AttentionBackend
-from blockspec.kernels.triton_loader import interpreting, load_kernels
+from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2, sm_count
 
 if TYPE_CHECKING:
     from blockspec.runtime.metadata import ForwardMetadata
@@ -57,17 +56,10 @@ def ragged_tiles(q_lens: list[int], group: int, block_m: int, device: torch.devi
     return both[0], both[1]
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
-
-
 def pick_splits(programs: int, device: torch.device) -> int:
     """Split the keys of each tile until about two waves of programs cover the GPU."""
     splits = 1
-    while programs * splits < 2 * _sm_count(device) and splits < 32:
+    while programs * splits < 2 * sm_count(device, cpu=2) and splits < 32:
         splits *= 2
     return splits
 
@@ -84,7 +76,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     hkv = k_cache.shape[1]
     if hq % hkv:
         raise ValueError(f"paged_attention needs Hq % Hkv == 0, got Hq={hq}, Hkv={hkv}")
-    block_d = max(16, 1 << (d - 1).bit_length())    # tiles are powers of two >= 16; D is masked
+    block_d = next_pow2(d, 16)    # tiles are powers of two >= 16; D is masked
     q = q.contiguous()
     out = torch.empty_like(q)
     tiles = tile_req.shape[0]

@@ -23,11 +23,12 @@ import json
 import math
 import multiprocessing as mp
 import os
-import statistics
 import time
 from typing import Callable
 
 import torch
+
+from blockspec.bench.timing import graph_time_ms
 
 SHAPES = {  # name: (N, K)
     "expert_up": (1856, 2688),
@@ -73,38 +74,10 @@ GROUPED_CFGS = {
 QUICK = {"v1": [{}], "v2": [{}], "v2w": [{}], "v2t": [{}]}
 
 
-def _graph_time_ms(fn: Callable[[], object], calls: int, reps: int) -> float:
-    """Median ms per call: ``calls`` calls captured in one CUDA graph, replayed ``reps`` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
 def read_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """HBM read bandwidth: bytes / time of a read-only reduction over a tensor far above L2."""
     a = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
-    ms = _graph_time_ms(lambda: a.sum(), calls=5, reps=10)
+    ms = graph_time_ms(lambda: a.sum(), calls=5, reps=10)
     return nbytes / (ms * 1e-3) / 1e9
 
 
@@ -112,7 +85,7 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy, counting the bytes read *and* written."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    ms = _graph_time_ms(lambda: b.copy_(a), calls=5, reps=10)
+    ms = graph_time_ms(lambda: b.copy_(a), calls=5, reps=10)
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
@@ -249,7 +222,7 @@ def measure(fn: Callable[[], torch.Tensor], ref: torch.Tensor, calls: int,
         err = _rel(fn(), ref)
         if not math.isfinite(err) or err > TOL:
             return {"ok": False, "error": f"wrong result: rel err {err:.3g} > {TOL}"}
-        return {"ok": True, "rel_err": err, "ms": _graph_time_ms(fn, calls, reps)}
+        return {"ok": True, "rel_err": err, "ms": graph_time_ms(fn, calls, reps)}
     except Exception as e:  # noqa: BLE001 - a config the compiler rejects, a launch failure
         msg = str(e).splitlines()[0][:200] if str(e) else ""
         return {"ok": False, "error": f"{type(e).__name__}: {msg}"}
@@ -274,7 +247,7 @@ def bench_dense(tasks: list[tuple], read_gbs: float, calls: int, reps: int) -> l
         if key not in recs:
             x, packed, scale, scale2, w_bf16 = _dense_inputs(name, m)
             io = m * k * 2 + m * n * 2
-            torch_ms = _graph_time_ms(lambda: x @ w_bf16.T, calls, reps)
+            torch_ms = graph_time_ms(lambda: x @ w_bf16.T, calls, reps)
             recs[key] = {"shape": name, "N": n, "K": k, "M": m,
                          "w4a16_bytes": packed.numel() + scale.numel() + io,
                          "bf16_bytes": w_bf16.numel() * 2 + io,

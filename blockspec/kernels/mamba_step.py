@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.kernels.triton_loader import interpreting, load_kernels
+from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2
 
 _KERNELS = Path(__file__).with_name("_mamba_kernels.py")
 
@@ -76,5 +76,5 @@ def commit_verify(conv: torch.Tensor, ssm: torch.Tensor, xbc_scratch: torch.Tens
         ssm.stride(0), ssm.stride(1), ssm_scratch.stride(0), ssm_scratch.stride(1),
         ssm_scratch.stride(2), conv.stride(0), conv.stride(1), xbc_scratch.stride(0),
         xbc_scratch.stride(1), xbc_scratch.stride(2), KEEP=keep,
-        BLOCK_J=max(2, 1 << (keep - 1).bit_length()), BLOCK=block, BLOCK_C=block_c,
+        BLOCK_J=next_pow2(keep, 2), BLOCK=block, BLOCK_C=block_c,
         SSM_CHUNKS=ssm_chunks, **({} if interpreting() else {"num_warps": 4}))

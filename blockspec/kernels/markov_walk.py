@@ -14,13 +14,9 @@ from pathlib import Path
 
 import torch
 
-from blockspec.kernels.triton_loader import interpreting, load_kernels
+from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2
 
 _KERNELS = Path(__file__).with_name("_markov_kernels.py")
-
-
-def _pow2(n: int) -> int:
-    return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
 def markov_walk_greedy(base_logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -35,8 +31,8 @@ def markov_walk_greedy(base_logits: torch.Tensor, w1: torch.Tensor, w2: torch.Te
     base = base_logits if base_logits.stride(-1) == 1 else base_logits.contiguous()
     w1, w2 = w1.contiguous(), w2.contiguous()
     anchor = anchor.reshape(b).to(torch.int64).contiguous()
-    block_r = _pow2(r)
-    block_v = min(_pow2(v), max(16, 32768 // block_r))
+    block_r = next_pow2(r, 16)
+    block_v = min(next_pow2(v, 16), max(16, 32768 // block_r))
     nb = -(-v // block_v)
     dev = base.device
     pv = torch.empty(b * gamma * nb, dtype=torch.float32, device=dev)
@@ -49,6 +45,6 @@ def markov_walk_greedy(base_logits: torch.Tensor, w1: torch.Tensor, w2: torch.Te
         final = k == gamma
         kernel[(b, 1 if final else nb)](
             base, *common, k, v, r, nb, gamma, base.stride(0), base.stride(1), w1.stride(0),
-            w2.stride(0), BLOCK_V=block_v, BLOCK_R=block_r, BLOCK_NB=_pow2(nb), FINAL=final,
+            w2.stride(0), BLOCK_V=block_v, BLOCK_R=block_r, BLOCK_NB=next_pow2(nb, 16), FINAL=final,
             **opts)
     return tokens

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.kernels.triton_loader import interpreting, load_kernels
+from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2
 
 _KERNELS = Path(__file__).with_name("_moe_combine_kernels.py")
 
@@ -47,7 +47,7 @@ def moe_combine(y: torch.Tensor, order: torch.Tensor | None, w: torch.Tensor,
     out = torch.empty(t, h, dtype=dtype, device=y.device)
     if shared is not None and shared.stride(-1) != 1:
         shared = shared.contiguous()
-    block = min(1024, max(16, 1 << (h - 1).bit_length()))
+    block = min(1024, next_pow2(h, 16))
     load_kernels(_KERNELS)._moe_combine_kernel[(t, -(-h // block))](
         y, inv, w, shared if shared is not None else y, out, h, y.stride(0),
         shared.stride(0) if shared is not None else 0, out.stride(0), TOPK=k, BLOCK_H=block,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.kernels.triton_loader import interpreting, load_kernels
+from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2
 
 _KERNELS = Path(__file__).with_name("_moe_routing_kernels.py")
 # The sort is one program walking the pairs in chunks, so its time grows with the pair count
@@ -25,10 +25,6 @@ _KERNELS = Path(__file__).with_name("_moe_routing_kernels.py")
 # for scripts/bench_moe_routing.py to tune on the GPU.
 SORT_MAX_PAIRS = 4096
 _SORT_CHUNK = 64        # pairs placed per step of the sort (a [chunk, chunk] comparison)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _warps(n: int) -> dict:
@@ -52,11 +48,11 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, to
     if tokens == 0:
         return ids, w
     group = experts // n_group
-    block_g, block_s = _pow2(n_group), _pow2(group)
+    block_g, block_s = next_pow2(n_group), next_pow2(group)
     load_kernels(_KERNELS)._route_kernel[(tokens,)](
         logits, bias, ids, w, logits.stride(0), float(scale),
         K=top_k, N_GROUP=n_group, GROUP=group, TOPK_GROUP=topk_group, GROUP_TOP=min(2, group),
-        NORM=bool(norm_topk_prob), BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=_pow2(top_k),
+        NORM=bool(norm_topk_prob), BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=next_pow2(top_k),
         **_warps(max(1, min(4, block_g * block_s // 256))))
     return ids, w
 
@@ -74,6 +70,6 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int,
     order = torch.empty(pairs, dtype=torch.int64, device=flat.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int64, device=flat.device)
     load_kernels(_KERNELS)._sort_by_expert_kernel[(1,)](
-        flat, order, offsets, pairs, E=num_experts, BLOCK_E=_pow2(num_experts),
-        CHUNK=min(_pow2(pairs), chunk), **_warps(4))
+        flat, order, offsets, pairs, E=num_experts, BLOCK_E=next_pow2(num_experts),
+        CHUNK=min(next_pow2(pairs), chunk), **_warps(4))
     return order, offsets

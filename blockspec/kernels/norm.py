@@ -7,13 +7,9 @@ from pathlib import Path
 
 import torch
 
-from blockspec.kernels.triton_loader import load_kernels
+from blockspec.kernels.triton_loader import load_kernels, next_pow2
 
 _KERNELS = Path(__file__).with_name("_norm_kernels.py")
-
-
-def _block(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
 
 
 def _warps(block: int) -> dict:
@@ -39,7 +35,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         h = torch.empty_like(x2)
     else:
         r2, h = x2, x2
-    block = _block(n)
+    block = next_pow2(n, 16)
     load_kernels(_KERNELS)._rms_norm_kernel[(rows,)](
         x2, r2, weight, y, h, n, eps, x2.stride(0), r2.stride(0), y.stride(0), h.stride(0),
         BLOCK=block, HAS_RES=residual is not None, **_warps(block))
@@ -56,7 +52,7 @@ def gated_rms_norm(v: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     if z2.stride(-1) != 1:
         z2 = z2.contiguous()
     y = torch.empty(z2.shape, dtype=z.dtype, device=z.device)
-    block = _block(group)
+    block = next_pow2(group, 16)
     load_kernels(_KERNELS)._gated_rms_norm_kernel[(v2.shape[0], n // group)](
         v2, z2, weight, y, group, eps, v2.stride(0), z2.stride(0), y.stride(0), BLOCK=block,
         **_warps(block))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.kernels.triton_loader import interpreting, load_kernels
+from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2
 
 _KERNELS = Path(__file__).with_name("_rotary_kernels.py")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -17,10 +17,6 @@ _POS_DTYPES = (torch.int64, torch.int32)
 # 32 heads still spreads over two programs, a 32k-row prefill gets one program per row and head
 # block, and cos/sin are computed once per program, not once per head.
 _PAIRS_PER_PROGRAM = 1024
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _arg(t: torch.Tensor) -> torch.Tensor:
@@ -60,8 +56,8 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> 
         x3 = _arg(x3)
     pos = _arg(positions.expand(x.shape[:-2]).reshape(rows))
     freq = _arg(inv_freq.to(device=x.device, dtype=torch.float32))
-    block_d = _pow2(half)
-    block_h = min(_pow2(heads), max(1, _PAIRS_PER_PROGRAM // block_d))
+    block_d = next_pow2(half)
+    block_h = min(next_pow2(heads), max(1, _PAIRS_PER_PROGRAM // block_d))
     grid = (rows, (heads + block_h - 1) // block_h)
     # FMA contraction off: the reference rounds each product before the sum.
     extra = {} if interpreting() else {"num_warps": 4, "enable_fp_fusion": False}

@@ -55,3 +55,17 @@ def use_triton(x: torch.Tensor) -> bool:
     if os.environ.get("BLOCKSPEC_DISABLE_TRITON", "0") not in ("", "0"):
         return False
     return _triton_importable()
+
+
+def next_pow2(n: int, at_least: int = 1) -> int:
+    """The smallest power of two >= max(n, at_least): Triton block shapes are powers of two."""
+    return max(at_least, 1 << max(0, n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(device: torch.device, cpu: int) -> int:
+    """Streaming multiprocessors of a CUDA device (work splits aim at a few waves of them);
+    ``cpu`` stands in under the interpreter, where it only shapes the tests' launches."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return cpu

@@ -57,6 +57,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from blockspec.kernels.triton_loader import sm_count
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4
 
 # fp16 bit trick factors: E2M1 values come out x 2^-14, E4M3 scales x 2^-8.
@@ -434,19 +435,12 @@ def _pick_block_m(m: int) -> int:
     return 16 if m <= 16 else (32 if m <= 32 else 64)
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def _pick_split_k(programs: int, k: int, block_k: int, device: torch.device,
                   waves: float = 2.0) -> int:
     """Split K until ~``waves`` waves of programs cover the SMs (small-N expert shapes need
     it).  v2 asks for 1.5: each split adds a partial-sum round trip (best on an H200 sweep)."""
     k_blocks = -(-k // block_k)
-    target = waves * _sm_count(device)
+    target = waves * sm_count(device, cpu=4)
     split = 1
     while programs * split < target and split * 2 <= k_blocks and split < 16:
         split *= 2
