@@ -26,7 +26,8 @@ from blockspec.runtime.metadata import StepBatch  # noqa: E402
 
 class Phases:
     """Profiler ranges around the parts of a step, added from outside (forward hooks on modules,
-    wrappers on bound methods), so the model and the worker carry no profiling code."""
+    wrappers on bound methods and module functions), so the model and the worker carry no
+    profiling code."""
 
     def __init__(self) -> None:
         self.open: dict[str, list] = collections.defaultdict(list)
@@ -78,15 +79,7 @@ def annotate(phases: Phases, model: torch.nn.Module, draft, worker) -> None:
     phases.method(draft, "write_context", "phase:draft context write")
     if worker.memory.mamba is not None:
         phases.method(worker.memory.mamba, "commit_verify", "phase:mamba commit")
-    accept = worker_mod.verify_block
-
-    def verify_block(*args, **kwargs):
-        phases._enter("phase:accept")
-        try:
-            return accept(*args, **kwargs)
-        finally:
-            phases._exit("phase:accept")
-    worker_mod.verify_block = verify_block
+    phases.method(worker_mod, "verify_block", "phase:accept")   # the worker's module-level import
 
 
 def _is_range(name: str) -> bool:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from blockspec.kernels import moe_routing
 from blockspec.kernels.moe_combine import moe_combine, moe_combine_reference
 from blockspec.kernels.moe_pairs import pair_gemv
 from blockspec.kernels.triton_loader import use_triton
@@ -64,9 +65,7 @@ class TopkRouter(nn.Module):
         args = (self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
                 self.norm_topk_prob, self.scale)
         if use_triton(logits):
-            from blockspec.kernels.moe_routing import route
-
-            return route(logits, *args)
+            return moe_routing.route(logits, *args)
         return route_reference(logits, *args)
 
 
@@ -260,11 +259,8 @@ def _pair_blocks(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Group (token, slot) pairs by expert: (order into ``topk_ids.flatten()``, offsets [E+1]),
     each expert's pairs in flat order. One fused kernel on CUDA for small pair counts."""
-    if use_triton(topk_ids):
-        from blockspec.kernels import moe_routing
-
-        if topk_ids.numel() <= moe_routing.SORT_MAX_PAIRS:
-            return moe_routing.sort_by_expert(topk_ids, num_experts)
+    if use_triton(topk_ids) and topk_ids.numel() <= moe_routing.SORT_MAX_PAIRS:
+        return moe_routing.sort_by_expert(topk_ids, num_experts)
     return sort_by_expert_reference(topk_ids, num_experts)
 
 
