@@ -9,6 +9,7 @@ from typing import Any
 
 SPEC_ALGORITHMS = ("DFLASH", "DSPARK")
 SPEC_OFF = "NONE"           # --speculative-algorithm NONE: speculation off (also "off", None)
+DRAFT_LM_HEADS = ("target", "nvfp4")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -160,6 +161,10 @@ class EngineArgs:
     speculative_draft_attention_backend: str | None = arg(
         None, "draft attention; default: the decode backend when it runs non-causal blocks",
         choices=attention_backend_choices)
+    speculative_draft_lm_head: str = arg(
+        "target", "head that scores draft blocks: the target's lm_head as stored, or a W4A16 "
+                  "NVFP4 copy of it made at load (about 4x fewer bytes per draft step; only the "
+                  "proposals change, verification stays exact)", choices=DRAFT_LM_HEADS)
     cuda_graph_max_bs: int = arg(32, "largest batch replayed from a CUDA graph (graphs are "
                                      "captured at 1, 2, 4, 8, 16, 24, 32, ... up to it); "
                                      "larger batches run eagerly")
@@ -198,6 +203,9 @@ class EngineArgs:
         if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 2:
             raise ArgsError("speculative_num_draft_tokens must be >= 2, "
                             f"got {self.speculative_num_draft_tokens}")
+        if self.speculative_draft_lm_head not in DRAFT_LM_HEADS:
+            raise ArgsError(f"speculative_draft_lm_head must be one of {', '.join(DRAFT_LM_HEADS)}, "
+                            f"got {self.speculative_draft_lm_head!r}")
         for name in ("max_running_requests", "chunked_prefill_size", "page_size", "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ArgsError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -73,7 +73,7 @@ def annotate(phases: Phases, model: torch.nn.Module, draft, worker) -> None:
 
     phases.module(model, "phase:verify forward")
     phases.method(draft, "forward_paged", "phase:draft forward")
-    phases.method(draft, "compute_logits", "phase:draft logits")
+    phases.method(worker, "draft_logits", "phase:draft logits")
     if hasattr(draft, "markov_walk"):
         phases.method(draft, "markov_walk", "phase:markov walk")
     phases.method(draft, "write_context", "phase:draft context write")
@@ -121,6 +121,7 @@ def main() -> None:
     p.add_argument("--preset", default="lightning-mini", choices=sorted(presets.PRESETS))
     p.add_argument("--quantized", action="store_true")
     p.add_argument("--draft", choices=["dflash", "dspark"])
+    p.add_argument("--draft-lm-head", default="target", choices=["target", "nvfp4"])
     p.add_argument("--width", type=int, default=4, help="verify width with --draft / --verify-only")
     p.add_argument("--verify-only", action="store_true",
                    help="time the target's verify forward of --width tokens alone (no draft, no "
@@ -137,7 +138,8 @@ def main() -> None:
         draft = presets.build_draft(a.draft, presets.preset_config(a.preset), block, dev, torch.bfloat16)
     bs = a.batch_size
     e = Engine.from_model(model, draft=draft, max_running_requests=max(bs, 1),
-                          max_total_tokens=bs * (a.context + 256), cuda_graph_max_bs=max(bs, 1))
+                          max_total_tokens=bs * (a.context + 256), cuda_graph_max_bs=max(bs, 1),
+                          speculative_draft_lm_head=a.draft_lm_head)
     runner = e.runner
     held = [e.memory.admit(a.context + 64) for _ in range(bs)]
     batch = StepBatch(slots=[h.slot for h in held], prefix_lens=[a.context] * bs, tokens=[5] * bs,
@@ -160,7 +162,8 @@ def main() -> None:
     if not a.verify_only:
         annotate(phases, model, draft, e.drafter if draft is not None else None)
     key = batch.sampling_key()
-    lines = [f"preset {a.preset} quantized={a.quantized} draft={a.draft} verify_only={a.verify_only} "
+    lines = [f"preset {a.preset} quantized={a.quantized} draft={a.draft} "
+             f"draft_lm_head={a.draft_lm_head} verify_only={a.verify_only} "
              f"width={a.width if draft or a.verify_only else 1} "
              f"batch {bs} context {a.context}"]
     with torch.inference_mode():

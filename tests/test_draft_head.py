@@ -99,3 +99,56 @@ def test_bad_draft_heads_are_refused(target, tmp_path):
                           lambda c: c.update(has_lm_head=True))
     with pytest.raises(DraftConfigError, match="has_lm_head=true but the folder has no lm_head.weight"):
         load_draft(claimed, engine.config, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_nvfp4_draft_head_changes_proposals_only(target, kind):
+    """--speculative-draft-lm-head nvfp4: the draft scores with a W4A16 copy of the target's
+    head (its logits are exactly those of the dequantized copy), and decoding stays
+    token-identical to the target alone."""
+    from blockspec.quant.linear import NVFP4Linear
+    from blockspec.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+    root, folder, engine, ref, head = target
+    e = Engine(model_path=str(folder), device="cpu", speculative_algorithm=kind.upper(),
+               speculative_draft_model_path=str(_draft(root, kind, "plain")),
+               speculative_draft_lm_head="nvfp4")
+    try:
+        worker = e.drafter
+        assert isinstance(worker.head, NVFP4Linear)
+        h = torch.randn(2, 3, HIDDEN, generator=torch.Generator().manual_seed(3))
+        w = dequantize_nvfp4(*quantize_nvfp4(head))
+        assert not torch.equal(w, head)          # the copy really is quantized
+        with torch.no_grad():
+            torch.testing.assert_close(worker.draft_logits(h), h @ w.T)
+        outs = e.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    finally:
+        e.shutdown()
+    assert [o["output_ids"] for o in outs] == ref
+    hist = [sum(c) for c in zip(*[o["meta_info"]["spec_accept_histogram"] for o in outs])]
+    assert sum(hist[1:]) > 0
+
+
+def test_nvfp4_draft_head_keeps_an_already_quantized_head(target, caplog):
+    from blockspec.quant.linear import NVFP4Linear
+    from blockspec.speculative.draft_head import nvfp4_draft_head
+
+    _, _, engine, _, _ = target
+
+    class Quantized(torch.nn.Module):
+        tied_head = False
+        lm_head = NVFP4Linear(HIDDEN, VOCAB)
+
+    draft = torch.nn.Module()
+    draft.lm_head = None
+    with caplog.at_level(logging.INFO, logger="blockspec"):
+        assert nvfp4_draft_head(draft, Quantized()) is None
+        assert isinstance(nvfp4_draft_head(draft, engine.model), NVFP4Linear)
+    assert any("already quantized" in r.getMessage() for r in caplog.records)
+
+
+def test_draft_lm_head_flag_is_checked():
+    from blockspec.args import ArgsError, EngineArgs
+
+    with pytest.raises(ArgsError, match="speculative_draft_lm_head must be one of target, nvfp4"):
+        EngineArgs.from_kwargs(speculative_draft_lm_head="fp8")

@@ -64,7 +64,8 @@ def build_engine(args: argparse.Namespace, max_bs: int):
 
     cache = max_bs * (args.input_len + args.output_len + 64)
     common = dict(max_running_requests=max_bs, max_total_tokens=cache,
-                  cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph)
+                  cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph,
+                  speculative_draft_lm_head=args.speculative_draft_lm_head)
     if args.model_path is not None:
         kw = {k: getattr(args, k) for k in ("device", "dtype", "speculative_algorithm",
                                              "speculative_draft_model_path",
@@ -208,6 +209,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         "input_len": args.input_len, "output_len": args.output_len,
         "speculative": type(engine.drafter.draft).__name__ if engine.drafter else None,
         "simulated_accept_length": args.simulate_accept_length,
+        "draft_lm_head": args.speculative_draft_lm_head,
         "attention_backend": engine.backends.decode,
     }
     results = []

@@ -124,7 +124,8 @@ class Engine:
         if draft is not None:
             from blockspec.speculative.worker import SpecWorker
 
-            self.drafter = SpecWorker(draft, self.runner, self.backends.draft, self.dtype)
+            self.drafter = SpecWorker(draft, self.runner, self.backends.draft, self.dtype,
+                                      args.speculative_draft_lm_head)
         elif args.speculative_algorithm:
             from blockspec.speculative.worker import build_spec_worker
 

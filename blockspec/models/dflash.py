@@ -17,6 +17,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from blockspec.attention.torch_native import masked_attention
+from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.fused_linear import fuse_linears
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.norm import RMSNorm
@@ -278,6 +279,7 @@ class DFlashDraftModel(nn.Module):
             DraftDecoderLayer(cfg, i, quant, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.lm_head: nn.Module | None = None          # see add_own_head
+        self.context_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None
 
     # ---- shapes / layout -------------------------------------------------------------------
     @property
@@ -412,6 +414,20 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self.context_kv = self._stack_context_kv()
+
+    def _stack_context_kv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None:
+        """(k/v rows of every layer as one [L * 2 * n_kv * d, H] weight, k_norm weights
+        [L, d], RoPE frequencies [L, d/2], eps) for the one-launch context write, or None when
+        a layer's projections are not dense (quantized) or its k_norm eps differs. The stack
+        is a copy (a few MB): reloading weights later needs another ``fuse()``."""
+        attns = [layer.self_attn for layer in self.layers]
+        if any(a.qkv_weight is None for a in attns) or len({a.k_norm.eps for a in attns}) != 1:
+            return None
+        kv = torch.cat([a.qkv_weight[a.num_heads * a.head_dim:] for a in attns])
+        norm = torch.stack([a.k_norm.weight for a in attns])
+        freq = torch.stack([a.rotary.inv_freq.to(torch.float32) for a in attns])
+        return kv, norm, freq, attns[0].k_norm.eps
 
     def forward_paged(self, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
         """Serving path: the embedded block rows ``x [N, H]`` (N = B x Q, positions in
@@ -426,7 +442,15 @@ class DFlashDraftModel(nn.Module):
     def write_context(self, features: torch.Tensor, positions: torch.Tensor,
                       slots: torch.Tensor, pool: Any) -> None:
         """Project target features of committed rows and store each layer's K/V at ``slots``
-        of the draft context pool."""
+        of the draft context pool (on the GPU after ``fuse()``: one GEMM for every layer's K/V
+        and one kernel for the norms, rotations and writes, ``kernels/draft_kv.py``)."""
+        if self.context_kv is not None and use_triton(features):
+            from blockspec.kernels.draft_kv import write_draft_kv
+
+            weight, norm, freq, eps = self.context_kv
+            kv = F.linear(self.project_context_hidden(features), weight)
+            write_draft_kv(kv, positions, slots, norm, freq, pool.k, pool.v, eps)
+            return
         for n, (k, v) in enumerate(self.project_context(features, positions)):
             pool.k[n][slots] = k.to(pool.k.dtype)
             pool.v[n][slots] = v.to(pool.v.dtype)

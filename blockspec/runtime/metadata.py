@@ -14,7 +14,7 @@ No Python list and no request object reaches a model: the model reads ``ForwardM
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -195,6 +195,16 @@ def uniform_metadata(inp: dict[str, torch.Tensor], q_len: int, mode: Mode, input
         out_slots=flat_slots(block_table, slots[row_req], positions, page_size),
         block_table=block_table, page_size=page_size, attn=attn, kv=kv, mamba=mamba,
         q_len=q_len, max_q_len=q_len, max_seq_len=max_seq_len, capture_layers=capture_layers)
+
+
+def same_rows(meta: ForwardMetadata, mode: Mode, input_ids: torch.Tensor, attn: AttentionBackend,
+              kv: KVPool | None, mamba: MambaStatePool | None = None,
+              capture_layers: tuple[int, ...] = ()) -> ForwardMetadata:
+    """Metadata for another forward over exactly ``meta``'s rows (positions, slots, lengths):
+    a speculative verify over the draft block's positions reuses them instead of deriving
+    them again (~10 small kernels per step)."""
+    return replace(meta, mode=mode, input_ids=input_ids.reshape(-1), attn=attn, kv=kv,
+                   mamba=mamba, capture_layers=capture_layers, attn_state={})
 
 
 def extend_metadata(slots: list[int], starts: list[int], ids: list[list[int]], *,

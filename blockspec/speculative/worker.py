@@ -16,18 +16,21 @@ import torch
 from blockspec.args import EngineArgs
 from blockspec.attention import create_backend
 from blockspec.models.dflash import DFlashDraftModel
-from blockspec.runtime.metadata import Mode, StepBatch, uniform_metadata
+from blockspec.runtime.metadata import Mode, StepBatch, same_rows, uniform_metadata
 from blockspec.runtime.model_runner import ModelRunner
 from blockspec.sampling import Stream, logprobs_of, uniforms
 from blockspec.speculative.accept import verify_block
+from blockspec.speculative.draft_head import nvfp4_draft_head
 from blockspec.speculative.draft_loader import load_draft
 
 
 class SpecWorker:
     def __init__(self, draft: DFlashDraftModel, runner: ModelRunner, draft_backend: str,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, draft_lm_head: str = "target") -> None:
         self.draft, self.runner, self.target = draft, runner, runner.model
         draft.fuse()
+        # None: the draft scores with its own head, else the target's (DFlashDraftModel)
+        self.head = nvfp4_draft_head(draft, self.target) if draft_lm_head == "nvfp4" else None
         self.memory = runner.memory
         cfg = draft.config
         self.gamma = cfg.gamma
@@ -77,7 +80,7 @@ class SpecWorker:
         dmeta = uniform_metadata(inp, Q, Mode.DRAFT, ids, m.block_table, m.page_size, self.attn,
                                  self.pool, max_seq_len=max_seq)
         h = draft.select_draft_hidden(draft.forward_paged(x, dmeta).view(B, Q, -1))  # [B, γ, H]
-        base = draft.compute_logits(h, target)                                       # [B, γ, V]
+        base = self.draft_logits(h)                                                  # [B, γ, V]
         if self.is_dspark:
             u_draft = None if greedy_only else uniforms(inp["seed"], inp["verify_ctr"], Stream.DRAFT, self.gamma)
             drafts, q = draft.markov_walk(base, h, anchor, inp["temperature"], u_draft,
@@ -86,9 +89,13 @@ class SpecWorker:
             drafts, q = base.argmax(-1), None        # argmax drafting: q is a point mass
 
         cand = torch.cat([anchor[:, None], drafts], dim=1)
-        vmeta = uniform_metadata(inp, T, Mode.VERIFY, cand, m.block_table, m.page_size,
-                                 self.runner.decode_attn, m.kv, m.mamba,
-                                 capture_layers=self.runner.capture_layers, max_seq_len=max_seq)
+        if Q == T:      # the verify reads the draft block's own positions
+            vmeta = same_rows(dmeta, Mode.VERIFY, cand, self.runner.decode_attn, m.kv, m.mamba,
+                              self.runner.capture_layers)
+        else:
+            vmeta = uniform_metadata(inp, T, Mode.VERIFY, cand, m.block_table, m.page_size,
+                                     self.runner.decode_attn, m.kv, m.mamba,
+                                     capture_layers=self.runner.capture_layers, max_seq_len=max_seq)
         out = target(vmeta)
         logits = out.logits.view(B, T, -1)
 
@@ -113,6 +120,13 @@ class SpecWorker:
             lps = torch.zeros(B, T, dtype=torch.float32, device=toks.device)
         return torch.cat([acc[:, None].double(), toks.double(), lps.double()], dim=1)
 
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the draft rows: the worker's NVFP4 head copy if it made one, else
+        the draft's own head or the target's."""
+        if self.head is not None:
+            return self.head(h).float()
+        return self.draft.compute_logits(h, self.target)
+
     def _simulated(self, inp: dict[str, torch.Tensor], logits: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Benchmark mode (sglang's simulated acceptance): a step accepts floor(τ-1) or
@@ -131,4 +145,4 @@ def build_spec_worker(args: EngineArgs, runner: ModelRunner, draft_backend: str,
                       dtype: torch.dtype, device: torch.device) -> SpecWorker:
     draft = load_draft(args.speculative_draft_model_path, runner.cfg, dtype, device,
                        args.speculative_num_draft_tokens, expect=args.speculative_algorithm)
-    return SpecWorker(draft, runner, draft_backend, dtype)
+    return SpecWorker(draft, runner, draft_backend, dtype, args.speculative_draft_lm_head)

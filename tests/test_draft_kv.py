@@ -1,0 +1,92 @@
+"""The draft's one-launch context K/V write against ``write_context``'s per-layer torch path, on
+fresh random inputs: the Triton interpreter on CPU, compiled on a GPU (``-m gpu``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.engine.memory import KVPool
+from blockspec.kernels.draft_kv import write_draft_kv
+from blockspec.models.dflash import build_draft_model
+from blockspec.models.draft_config import parse_draft_config
+from tests.spec_fixtures import draft_config
+from tests.triton_modes import MODES, mode  # noqa: F401  (mode: fixture)
+
+pytest.importorskip("triton")
+
+HIDDEN = 64
+
+
+def _draft(dtype: torch.dtype, device: torch.device, layers: int = 3, heads: int = 2, d: int = 16,
+           thetas: list[float] | None = None):
+    cfg = draft_config("dflash", hidden=HIDDEN, vocab=40, target_layers=6, block_size=4,
+                       layers=layers)
+    cfg.update(num_key_value_heads=heads, head_dim=d, num_attention_heads=2 * heads)
+    model = build_draft_model(parse_draft_config(cfg), None, torch.float32)
+    model.init_random_(std=0.3, generator=torch.Generator().manual_seed(4))
+    for i, layer in enumerate(model.layers):     # distinct k_norm weights and RoPE bases per layer
+        layer.self_attn.k_norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(i))
+        if thetas is not None:
+            rot = layer.self_attn.rotary
+            rot.inv_freq = 1.0 / (thetas[i] ** (torch.arange(0, d, 2).float() / d))
+    model = model.to(device=device, dtype=dtype).eval()
+    model.fuse()
+    return model
+
+
+def _pools(model, slots: int, dtype, device):
+    return KVPool(len(model.layers), slots, model.num_kv_heads, model.head_dim, dtype, device)
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,heads,d", [(5, 2, 16), (1, 3, 8), (33, 1, 32)])
+def test_fused_write_matches_per_layer_torch(mode, dtype, rows, heads, d):
+    model = _draft(dtype, mode, heads=heads, d=d, thetas=[1e4, 5e5, 1e6])
+    assert model.context_kv is not None
+    g = torch.Generator().manual_seed(rows)
+    feats = torch.randn(rows, model.config.fc_in_features, generator=g).to(mode, dtype)
+    pos = torch.randint(0, 30000, (rows,), generator=g).to(mode)
+    slots = torch.randperm(64, generator=g)[:rows].to(mode)
+    ref, out = _pools(model, 64, dtype, mode), _pools(model, 64, dtype, mode)
+    saved, model.context_kv = model.context_kv, None
+    with torch.no_grad():
+        model.write_context(feats, pos, slots, ref)              # the per-layer torch path
+        model.context_kv = saved
+        weight, norm, freq, eps = saved
+        kv = torch.nn.functional.linear(model.project_context_hidden(feats), weight)
+        write_draft_kv(kv, pos, slots, norm, freq, out.k, out.v, eps)
+    untouched = torch.ones(64, dtype=torch.bool, device=mode)
+    untouched[slots] = False
+    assert not out.k[:, untouched].any() and not out.v[:, untouched].any()
+    assert torch.equal(out.v, ref.v)                              # V is a copy
+    assert ref.k[:, slots].abs().sum() > 0
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.k, ref.k, rtol=1e-5, atol=1e-5)
+    else:   # two roundings to bf16 (the interpreter truncates): within 2 ulps of the largest
+        big = ref.k.float().abs().max().item()
+        torch.testing.assert_close(out.k.float(), ref.k.float(), rtol=2 ** -6, atol=big * 2 ** -6)
+
+
+def test_quantized_or_biased_projections_keep_the_torch_path():
+    cfg = draft_config("dflash", hidden=HIDDEN, vocab=40, target_layers=6, block_size=4)
+    cfg["attention_bias"] = True
+    model = build_draft_model(parse_draft_config(cfg), None, torch.float32)
+    model.fuse()
+    assert model.context_kv is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_write_context_takes_the_kernel_on_cuda(monkeypatch):
+    dev = torch.device("cuda")
+    model = _draft(torch.bfloat16, dev)
+    feats = torch.randn(7, model.config.fc_in_features, device=dev, dtype=torch.bfloat16)
+    pos, slots = torch.arange(100, 107, device=dev), torch.arange(7, device=dev) * 3
+    fast, ref = _pools(model, 32, torch.bfloat16, dev), _pools(model, 32, torch.bfloat16, dev)
+    with torch.no_grad():
+        model.write_context(feats, pos, slots, fast)
+        monkeypatch.setenv("BLOCKSPEC_DISABLE_TRITON", "1")
+        model.write_context(feats, pos, slots, ref)
+    assert torch.equal(fast.v, ref.v)
+    torch.testing.assert_close(fast.k.float(), ref.k.float(), rtol=2 ** -7, atol=1e-3)
