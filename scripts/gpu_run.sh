@@ -19,7 +19,7 @@ tests)
   timeout 240 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_engine.py \
       tests/test_moe_grouped.py tests/test_kernels.py tests/test_markov_walk.py \
       tests/test_moe_pairs.py tests/test_moe_combine.py tests/test_rotary_kernel.py \
-      tests/test_moe_routing.py -q -p no:cacheprovider \
+      tests/test_moe_routing.py tests/test_fp8_quant.py -q -p no:cacheprovider \
       -o addopts="" -rf 2>&1 | tail -60 > "$OUT/gpu_tests.log"; tail -15 "$OUT/gpu_tests.log"
   ;;
 profile)

@@ -102,6 +102,7 @@ def build_target(name: str, device: torch.device, dtype: torch.dtype, quantized:
     from blockspec.layers.moe import MoE
     from blockspec.models.nemotron_h import NemotronHForCausalLM
     from blockspec.models.nemotron_h_config import NemotronHConfig
+    from blockspec.quant.linear import prepare_fp8
 
     cfg = NemotronHConfig.from_dict(preset_config(name))
     with torch.device(device):
@@ -110,6 +111,7 @@ def build_target(name: str, device: torch.device, dtype: torch.dtype, quantized:
     for m in model.modules():
         if isinstance(m, MoE):
             m.prepare_grouped()
+    prepare_fp8(model)
     return model.eval()
 
 

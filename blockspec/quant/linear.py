@@ -11,9 +11,10 @@ runs both with bf16 activations (see docs/quantization.md).
 FP8 on GPU (bf16/fp16 activations, sm89+): W8A8 on the FP8 tensor cores, as sglang and vLLM run
 ModelOpt FP8 checkpoints: the activations are quantized to E4M3 with the checkpoint's static
 ``input_scale`` (a per-tensor scale from the activations' absolute maximum when a checkpoint
-has none) and ``torch._scaled_mm`` multiplies; no weight is dequantized per call.
-``fp8_w8a8_reference`` is the same math in plain torch. Elsewhere (CPU, fp32) FP8 layers run
-as W8A16 against the exactly dequantized weight, the reference the parity tests use.
+has none) in one Triton launch (``kernels/fp8_quant.py``) and ``torch._scaled_mm`` multiplies;
+no weight is dequantized per call. ``fp8_w8a8_reference`` is the same math in plain torch.
+Elsewhere (CPU, fp32) FP8 layers run as W8A16 against the exactly dequantized weight, the
+reference the parity tests use.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockspec.kernels.fp8_quant import E4M3_MAX, quantize_fp8_act
+from blockspec.kernels.fp8_quant import quantize_fp8_act_reference as _quantize_act
+from blockspec.kernels.triton_loader import use_triton
 from blockspec.quant.config import FORMATS, FP8, NVFP4, W4A16_NVFP4
 from blockspec.quant.fp8 import dequantize_fp8
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4, dequantize_nvfp4_rows
@@ -149,6 +153,8 @@ class FP8Linear(_QuantBase):
                                                    dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_scale", torch.zeros((), dtype=torch.float32))
         self._register_input_scale_and_bias(out_features, has_input_scale, bias, dtype)
+        # (input_scale tensor, its version) -> static or not: set by prepare()
+        self._scale_mode: tuple[torch.Tensor | None, int | None, bool] | None = None
 
     def _logical_shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
@@ -162,23 +168,49 @@ class FP8Linear(_QuantBase):
             return fp8_w8a8(x, self.weight, self.weight_scale, self.activation_scale(x), bias)
         return F.linear(x, self.dense_weight(x.dtype), bias)
 
-    def activation_scale(self, x: torch.Tensor) -> torch.Tensor:
-        """The checkpoint's static input scale, or amax(|x|) / 448 when it has none (device
-        ops only, so a captured step never waits for it)."""
+    def prepare(self) -> bool:
+        """Decide once whether the static ``input_scale`` applies (present and > 0, as in real
+        checkpoints): one host read, made after loading (``prepare_fp8``) so no step needs it."""
         s = getattr(self, "input_scale", None)
-        if s is not None:
-            return torch.where(s > 0, s, _dynamic_scale(x))
+        static = s is not None and bool(s.item() > 0)
+        self._scale_mode = (s, _version(s), static)
+        return static
+
+    def static_scale(self) -> bool:
+        """The decision of ``prepare``, made again (a host read) if ``input_scale`` has been
+        replaced or written since, e.g. by a later checkpoint load: never a stale answer."""
+        s = getattr(self, "input_scale", None)
+        mode = self._scale_mode
+        if mode is None or mode[0] is not s or mode[1] != _version(s):
+            return self.prepare()
+        return mode[2]
+
+    def activation_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's static input scale, or amax(|x|) / 448 when it has none or a
+        non-positive one (device ops only: the choice is made by ``prepare``)."""
+        if self.static_scale():
+            return self.input_scale
         return _dynamic_scale(x)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt=fp8"
 
 
-FP8_MAX = 448.0
+def prepare_fp8(model: nn.Module) -> None:
+    """Decide every FP8 layer's activation scale mode; call after loading the weights."""
+    for m in model.modules():
+        if isinstance(m, FP8Linear):
+            m.prepare()
+
+
+def _version(t: torch.Tensor | None) -> int | None:
+    """In-place writes (``copy_`` by the loader, ``fill_``) bump a tensor's version; inference
+    tensors keep none."""
+    return None if t is None or t.is_inference() else t._version
 
 
 def _dynamic_scale(x: torch.Tensor) -> torch.Tensor:
-    return (x.abs().amax().float() / FP8_MAX).clamp_min(1e-12)
+    return (x.abs().amax().float() / E4M3_MAX).clamp_min(1e-12)
 
 
 def _scaled_mm_ok(x: torch.Tensor, k: int, n: int) -> bool:
@@ -186,16 +218,14 @@ def _scaled_mm_ok(x: torch.Tensor, k: int, n: int) -> bool:
             and n % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
-def _quantize_act(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
-
 def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              input_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16) @ (weight [N, K] E4M3 x weight_scale)^T with x quantized to E4M3
-    at ``input_scale``: one FP8 tensor-core GEMM (``torch._scaled_mm``), fp32 accumulation."""
+    at ``input_scale`` (one Triton launch where ``use_triton`` allows, else the bit-identical
+    torch reference), then one FP8 tensor-core GEMM (``torch._scaled_mm``), fp32 accumulation."""
     lead, k = x.shape[:-1], x.shape[-1]
-    xq = _quantize_act(x.reshape(-1, k), input_scale)
+    rows = x.reshape(-1, k)
+    xq = quantize_fp8_act(rows, input_scale) if use_triton(x) else _quantize_act(rows, input_scale)
     y = torch._scaled_mm(xq, weight.t(), scale_a=input_scale.float().reshape(()),
                          scale_b=weight_scale.float().reshape(()), bias=bias, out_dtype=x.dtype)
     return y.reshape(*lead, weight.shape[0])
