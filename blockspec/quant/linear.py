@@ -5,11 +5,10 @@ Buffers carry the checkpoint names (``weight``, ``weight_scale``, ``weight_scale
 packed in memory: on CPU each forward dequantizes exactly (fp32) and runs ``F.linear`` in the
 input's dtype; on CUDA NVFP4 runs the Triton W4A16 kernel, which decodes in registers.
 
-``input_scale`` of W4A4 (``nvfp4``) and FP8 checkpoints is loaded but never applied: blockspec
-runs both with bf16 activations (see docs/quantization.md).
-
-FP8 on GPU (bf16/fp16 activations, sm89+): W8A8 on the FP8 tensor cores, as sglang and vLLM run
-ModelOpt FP8 checkpoints: the activations are quantized to E4M3 with the checkpoint's static
+``input_scale`` of W4A4 (``nvfp4``) checkpoints is loaded but never applied: blockspec runs
+them with bf16 activations (see docs/quantization.md). FP8 layers apply theirs on the GPU only:
+there (bf16/fp16 activations, sm89+) they run W8A8 on the FP8 tensor cores, as sglang and vLLM
+run ModelOpt FP8 checkpoints: the activations are quantized to E4M3 with the checkpoint's static
 ``input_scale`` (a per-tensor scale from the activations' absolute maximum when a checkpoint
 has none) in one Triton launch (``kernels/fp8_quant.py``) and ``torch._scaled_mm`` multiplies;
 no weight is dequantized per call. ``fp8_w8a8_reference`` is the same math in plain torch.
