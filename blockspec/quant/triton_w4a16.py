@@ -47,12 +47,20 @@ Two kernels, chosen by ``variant=`` or the environment variable ``BLOCKSPEC_W4A1
   one launch.
 - ``v2w``: v2 always swapped (wgmma); ``v2t``: v2 with a pure-Triton decode (comparison).
 
+At decode a call moves only a few MB, so its time is set by the launch config, not by
+bandwidth: v2 takes the tile, split-K, warps and stages of the call's problem class from
+``w4a16_tuned.json`` (``tuned_config``; filled by scripts/bench_w4a16_decode.py) where it has
+an entry, else the built-in defaults; explicit keyword arguments override both.
+
 Under ``TRITON_INTERPRET=1`` every v2 variant runs the same kernel with an exact fp32 decode.
 """
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -435,12 +443,13 @@ def _pick_block_m(m: int) -> int:
     return 16 if m <= 16 else (32 if m <= 32 else 64)
 
 
-def _pick_split_k(programs: int, k: int, block_k: int, device: torch.device,
-                  waves: float = 2.0) -> int:
-    """Split K until ~``waves`` waves of programs cover the SMs (small-N expert shapes need
-    it).  v2 asks for 1.5: each split adds a partial-sum round trip (best on an H200 sweep)."""
+def _pick_split_k(programs: int, k: int, block_k: int, sms: int, waves: float = 2.0) -> int:
+    """Split K until ~``waves`` waves of programs cover the ``sms`` SMs (small-N expert shapes
+    need it).  v2 asks for 1.5: each split adds a partial-sum round trip (best on an H200
+    sweep).  Takes the SM count rather than a device so the decode sweep can plan splits
+    without one."""
     k_blocks = -(-k // block_k)
-    target = waves * sm_count(device, cpu=4)
+    target = waves * sms
     split = 1
     while programs * split < target and split * 2 <= k_blocks and split < 16:
         split *= 2
@@ -458,10 +467,8 @@ def _launch_v1(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     block_n = block_n or 64
     block_k = block_k or 128
     tiles_n = -(-n // block_n)
-    split = split_k or _pick_split_k(num_blocks * tiles_n, k, block_k, x.device)
-    k_per_split = -(-k // split)
-    k_per_split = -(-k_per_split // block_k) * block_k
-    split = -(-k // k_per_split)
+    split = split_k or _pick_split_k(num_blocks * tiles_n, k, block_k, sm_count(x.device, cpu=4))
+    split, k_per_split = split_plan(k, block_k, split)
     rows = x.shape[0]
     if split == 1 and not interpret:  # the interpreter's bf16 store truncates: keep fp32 there
         out = torch.empty((1, rows, n), dtype=out_dtype, device=x.device)
@@ -503,8 +510,28 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
-def v2_default_config(n: int, k: int, m: int) -> dict:
-    """Tile shape of the v2 kernels when the caller names none (best of an H200 sweep).
+def split_plan(k: int, chunk: int, split: int) -> tuple[int, int]:
+    """(splits launched, K per split) for ``split`` asked-for splits of K: each split covers
+    whole ``chunk``s of K, so a large request can come out smaller (the sweep uses this to
+    skip splits that would launch the same kernel twice)."""
+    k_per_split = -(-k // split)
+    k_per_split = -(-k_per_split // chunk) * chunk
+    return -(-k // k_per_split), k_per_split
+
+
+def check_v2_tile(block_n: int, block_k: int, k_slices: int) -> None:
+    """Raise ValueError for a tile the v2 kernel cannot run: ``tl.arange`` needs powers of
+    two, the x/W words need ``block_k % 64 == 0``, the batched dot ``k_slices`` in 1, 2, 4."""
+    ok = (block_n >= 16 and block_n & (block_n - 1) == 0 and block_k >= 64
+          and block_k & (block_k - 1) == 0 and k_slices in (1, 2, 4))
+    if not ok:
+        raise ValueError(f"v2 needs block_k a power of two >= 64, block_n a power of two >= 16 "
+                         f"and k_slices in (1, 2, 4) (got {block_k}, {block_n}, {k_slices})")
+
+
+def _builtin_v2_config(n: int, k: int, m: int) -> dict:
+    """Tile shape of the v2 kernels when neither the caller nor the tuned table names one (best
+    of an older H200 sweep, at shapes other than decode's).
 
     M <= 16 (decode): mma with the weights as B; wide N (lm_head) takes 128-row tiles on
     2 warps, narrow N (experts) 64-row tiles plus split-K (``_pick_split_k``, ~1.5 waves).
@@ -515,9 +542,136 @@ def v2_default_config(n: int, k: int, m: int) -> dict:
     wide = n >= 8192
     cfg = {"block_m": 16 if m <= 16 else (32 if m <= 32 or not wide else 64),
            "block_n": 128 if wide else 64, "block_k": 128 if k % 128 == 0 else 64,
-           "k_slices": 1, "swap": m > 16, "num_warps": 2 if wide else 4, "num_stages": 3}
+           "k_slices": 1, "swap": m > 16, "num_warps": 2 if wide else 4, "num_stages": 3,
+           "split_k": None}
     if m > 16 and wide:
         cfg.update(block_n=256, block_k=64, num_warps=8)
+    return cfg
+
+
+# ------------------------------------------------------------------------- tuned configs
+# Decode calls move only a few MB each, so their time is set by the launch config (tile,
+# split-K, warps, stages) rather than by bandwidth; the best config differs per problem class,
+# so an H200 sweep (scripts/bench_w4a16_decode.py --write-table) stores one per class here.
+TUNED_PATH = Path(__file__).with_name("w4a16_tuned.json")
+TUNED_ENV = "BLOCKSPEC_W4A16_TUNED"  # another table's path, or "none" for built-ins only
+TUNED_KEYS = ("block_n", "block_k", "k_slices", "split_k", "num_warps", "num_stages")
+# Upper edges of the row buckets (dense: rows of x) and of the block-count buckets (grouped:
+# row blocks in the table, one per (token, expert) pair at decode); doubling past the last.
+ROW_EDGES = (1, 4, 8, 16, 32, 64)
+BLOCK_EDGES = (8, 32, 64)
+_KEY_RE = {"dense": re.compile(r"dense N=\d+ K=\d+ rows=(\d+(?:-\d+)?)"),
+           "grouped": re.compile(r"grouped N=\d+ K=\d+ block_m=\d+ blocks=(\d+(?:-\d+)?)")}
+
+
+class TunedTableError(ValueError):
+    """The tuned-config table is unreadable or one of its entries is malformed."""
+
+
+def bucket(value: int, edges: tuple[int, ...]) -> str:
+    """Label of the bucket holding ``value`` (>= 1): ``"lo-hi"``, or ``"n"`` for one value."""
+    lo, hi, i = 1, edges[0], 0
+    while value > hi:
+        i += 1
+        lo, hi = hi + 1, edges[i] if i < len(edges) else hi * 2
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def problem_key(n: int, k: int, m: int, blocks: int | None = None) -> str:
+    """Table key of a v2 call: dense by the rows ``m`` of x, grouped (``blocks`` given) by its
+    rows per block ``m`` and the bucket of its row-block count."""
+    if blocks is None:
+        return f"dense N={n} K={k} rows={bucket(m, ROW_EDGES)}"
+    return f"grouped N={n} K={k} block_m={m} blocks={bucket(blocks, BLOCK_EDGES)}"
+
+
+def _check_key(key: str) -> None:
+    kind = key.split(" ", 1)[0]
+    match = _KEY_RE[kind].fullmatch(key) if kind in _KEY_RE else None
+    if match is None:
+        raise ValueError("expected 'dense N=<n> K=<k> rows=<bucket>' or "
+                         "'grouped N=<n> K=<k> block_m=<m> blocks=<bucket>'")
+    label = match.group(1)
+    want = bucket(int(label.split("-")[0]), ROW_EDGES if kind == "dense" else BLOCK_EDGES)
+    if label != want:  # a key no call can produce would silently never match
+        raise ValueError(f"bucket {label!r} is not one of the buckets (the one holding "
+                         f"{label.split('-')[0]} is {want!r})")
+
+
+def _check_entry(cfg: object) -> dict:
+    if not isinstance(cfg, dict):
+        raise ValueError(f"expected an object of {TUNED_KEYS}, got {type(cfg).__name__}")
+    unknown = sorted(set(cfg) - set(TUNED_KEYS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}; allowed: {TUNED_KEYS}")
+    for name, value in cfg.items():
+        if value is None and name == "split_k":  # auto
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    warps = cfg.get("num_warps", 4)
+    if warps & (warps - 1) or warps > 32:
+        raise ValueError(f"num_warps must be a power of two <= 32, got {warps}")
+    check_v2_tile(cfg.get("block_n", 16), cfg.get("block_k", 64), cfg.get("k_slices", 1))
+    return dict(cfg)
+
+
+def parse_tuned_table(data: object, source: str) -> dict[str, dict]:
+    """Validated ``configs`` of a table (``{"configs": {key: {option: value}}, ...}``; other
+    top-level fields are notes).  Errors name ``source`` and the entry's key."""
+    if not isinstance(data, dict) or not isinstance(data.get("configs"), dict):
+        raise TunedTableError(f"{source}: expected a JSON object with a 'configs' object")
+    table = {}
+    for key, cfg in data["configs"].items():
+        try:
+            _check_key(key)
+            table[key] = _check_entry(cfg)
+        except ValueError as e:
+            raise TunedTableError(f"{source}: entry {key!r}: {e}") from None
+    return table
+
+
+@functools.lru_cache(maxsize=8)
+def _read_tuned(path: str, required: bool) -> dict[str, dict]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if required:
+            raise TunedTableError(f"{path}: no such tuned-config table ({TUNED_ENV})") from None
+        return {}
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TunedTableError(f"{path}: not valid JSON: {e}") from None
+    return parse_tuned_table(data, path)
+
+
+def tuned_table() -> dict[str, dict]:
+    """The tuned configs in force, read once per path: ``$BLOCKSPEC_W4A16_TUNED`` if set (a
+    path, or ``none``), else the packaged ``w4a16_tuned.json`` (a missing one counts as empty)."""
+    env = os.environ.get(TUNED_ENV, "")
+    if env.lower() == "none":
+        return {}
+    return _read_tuned(env or str(TUNED_PATH), bool(env))
+
+
+def tuned_config(n: int, k: int, m: int, blocks: int | None = None) -> dict:
+    """The tuned entry for the call's class (``problem_key``), or {} where the table has none."""
+    return dict(tuned_table().get(problem_key(n, k, m, blocks), {}))
+
+
+def v2_default_config(n: int, k: int, m: int, *, blocks: int | None = None,
+                      block_m: int | None = None, tuned: bool = True) -> dict:
+    """Launch config of the v2 kernels for what the caller leaves unnamed: the tuned entry of
+    the call's class over the built-in defaults (``_builtin_v2_config``).
+
+    ``m``: rows of x for a dense call, rows per block for a grouped one (with ``blocks`` row
+    blocks).  ``block_m``: a row block the caller chose for a dense call; the built-in tile
+    follows it, as before the table.  ``split_k`` None: ``_pick_split_k`` decides.
+    """
+    cfg = _builtin_v2_config(n, k, m if block_m is None else block_m)
+    if tuned:
+        cfg.update(tuned_config(n, k, m, blocks))
     return cfg
 
 
@@ -527,25 +681,30 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                block_n: int | None = None, block_k: int | None = None,
                k_slices: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """``tables``: (expert, row0, row1) per row block for the grouped GEMM, None for dense."""
+    """``tables``: (expert, row0, row1) per row block for the grouped GEMM, None for dense.
+
+    Keywords left None come from ``v2_default_config``; the tuned table applies to ``v2``
+    only (the other variants are comparisons, and ``v2w`` needs its own tile shapes).
+    """
     interpret = interpreting()
     kernel = _kernels_v2(interpret)
-    cfg = v2_default_config(n, k, block_m)
+    if tables is None:
+        cfg = v2_default_config(n, k, x.shape[0], block_m=block_m, tuned=variant == "v2")
+    else:
+        cfg = v2_default_config(n, k, block_m, blocks=num_blocks, tuned=variant == "v2")
     block_n = block_n or cfg["block_n"]
     block_k = block_k or cfg["block_k"]
     slices = k_slices or cfg["k_slices"]
     swap = variant == "v2w" or (cfg["swap"] and slices == 1 and block_n % 64 == 0)
-    if block_k % 64 or block_n % 16 or slices not in (1, 2, 4):
-        raise ValueError(f"v2 needs block_k % 64 == 0, block_n % 16 == 0 and k_slices in "
-                         f"(1, 2, 4) (got {block_k}, {block_n}, {slices})")
+    check_v2_tile(block_n, block_k, slices)
     if swap and (slices != 1 or block_n % 64):
         raise ValueError("v2w (wgmma) needs k_slices=1 and block_n a multiple of 64")
     chunk = block_k * slices
     tiles_n = -(-n // block_n)
-    split = split_k or _pick_split_k(num_blocks * tiles_n, k, chunk, x.device, waves=1.5)
-    k_per_split = -(-k // split)
-    k_per_split = -(-k_per_split // chunk) * chunk
-    split = -(-k // k_per_split)
+    split = (split_k or cfg["split_k"]
+             or _pick_split_k(num_blocks * tiles_n, k, chunk, sm_count(x.device, cpu=4),
+                              waves=1.5))
+    split, k_per_split = split_plan(k, chunk, split)
     # The kernel reads x as int64 words (4 bf16) and W as uint16 words (4 nibbles).
     if x.dtype != torch.bfloat16:
         x = x.to(torch.bfloat16)
@@ -663,7 +822,7 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         y = _launch_v1(x2, w, s, ws2, *_dense_blocks(m, block_m, x.device), -(-m // block_m),
                        block_m, n, k, out_dtype, **cfg)
     else:
-        block_m = block_m or v2_default_config(n, k, m)["block_m"]
+        block_m = block_m or _builtin_v2_config(n, k, m)["block_m"]  # (not a tuned key)
         y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype,
                        variant, k_slices=k_slices, **cfg)
     if bias is not None:
