@@ -59,7 +59,12 @@ def test_fused_write_matches_per_layer_torch(mode, dtype, rows, heads, d):
     untouched = torch.ones(64, dtype=torch.bool, device=mode)
     untouched[slots] = False
     assert not out.k[:, untouched].any() and not out.v[:, untouched].any()
-    assert torch.equal(out.v, ref.v)                              # V is a copy
+    # V is the GEMM's V columns, copied (the stacked GEMM may sum in another order than the
+    # per-layer one on a GPU, so the two paths' V agree to rounding, not bit for bit)
+    layers, heads, d = out.v.shape[0], out.v.shape[2], out.v.shape[3]
+    v_cols = kv.view(rows, layers, 2, heads, d)[:, :, 1].transpose(0, 1)
+    assert torch.equal(out.v[:, slots], v_cols.to(dtype))
+    torch.testing.assert_close(out.v, ref.v)
     assert ref.k[:, slots].abs().sum() > 0
     if dtype == torch.float32:
         torch.testing.assert_close(out.k, ref.k, rtol=1e-5, atol=1e-5)
@@ -88,5 +93,5 @@ def test_write_context_takes_the_kernel_on_cuda(monkeypatch):
         model.write_context(feats, pos, slots, fast)
         monkeypatch.setenv("BLOCKSPEC_DISABLE_TRITON", "1")
         model.write_context(feats, pos, slots, ref)
-    assert torch.equal(fast.v, ref.v)
+    torch.testing.assert_close(fast.v, ref.v)
     torch.testing.assert_close(fast.k.float(), ref.k.float(), rtol=2 ** -7, atol=1e-3)
