@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from blockspec.kernels import moe_routing
 from blockspec.kernels.moe_combine import moe_combine, moe_combine_reference
 from blockspec.kernels.moe_pairs import pair_gemv
-from blockspec.kernels.skinny_gemm import skinny_gemm, skinny_ok
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.models.nemotron_h_config import NemotronHConfig
@@ -60,13 +59,9 @@ class TopkRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert ids [T,k], weights [T,k] fp32): the router GEMM in fp32 (the skinny
-        kernel widens x and W in registers on the GPU at decode sizes), the rest one fused
-        kernel on CUDA (``route_reference`` elsewhere)."""
-        if use_triton(x) and skinny_ok(x, self.weight):
-            logits = skinny_gemm(x, self.weight, out_dtype=torch.float32)
-        else:
-            logits = F.linear(x.float(), self.weight.float())
+        """Returns (expert ids [T,k], weights [T,k] fp32): the router GEMM in torch, the rest
+        one fused kernel on CUDA (``route_reference`` elsewhere)."""
+        logits = F.linear(x.float(), self.weight.float())
         args = (self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
                 self.norm_topk_prob, self.scale)
         if use_triton(logits):

@@ -17,7 +17,6 @@ from torch import nn
 import torch.nn.functional as F
 
 from blockspec.attention.torch_native import masked_attention
-from blockspec.kernels.skinny_gemm import linear
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.fused_linear import fuse_linears
 from blockspec.layers.linear import QuantPlan, build_linear
@@ -158,7 +157,7 @@ class DraftAttention(nn.Module):
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (k_norm + RoPE) and V of ``x [..., T, H]`` at ``positions [..., T]``."""
         if self.qkv_weight is not None:
-            kv = linear(x, self.qkv_weight[self.num_heads * self.head_dim:])
+            kv = F.linear(x, self.qkv_weight[self.num_heads * self.head_dim:])
             return self._kv_rows(*kv.split(self.num_kv_heads * self.head_dim, dim=-1), positions)
         return self._kv_rows(self.k_proj(x), self.v_proj(x), positions)
 
@@ -182,7 +181,7 @@ class DraftAttention(nn.Module):
         n = hn.shape[0]
         if self.qkv_weight is not None:
             nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = linear(hn, self.qkv_weight).split([nq, nkv, nkv], dim=-1)
+            q, k, v = F.linear(hn, self.qkv_weight).split([nq, nkv, nkv], dim=-1)
             k, v = self._kv_rows(k, v, meta.positions)
         else:
             q = self.q_proj(hn)
@@ -210,7 +209,7 @@ class DraftMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -449,7 +448,7 @@ class DFlashDraftModel(nn.Module):
             from blockspec.kernels.draft_kv import write_draft_kv
 
             weight, norm, freq, eps = self.context_kv
-            kv = linear(self.project_context_hidden(features), weight)
+            kv = F.linear(self.project_context_hidden(features), weight)
             write_draft_kv(kv, positions, slots, norm, freq, pool.k, pool.v, eps)
             return
         for n, (k, v) in enumerate(self.project_context(features, positions)):
