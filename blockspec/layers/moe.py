@@ -8,10 +8,12 @@ the weights are the un-biased scores, renormalised when ``norm_topk_prob``, time
 The routed experts run without reading the device back (graph-safe). Decode-sized batches
 (at most ``PAIR_PATH_MAX_PAIRS`` (token, expert) pairs, on the GPU) run per pair: each pair's
 programs read its expert's rows (``kernels/moe_pairs.py``; the W4A16 kernel with a one-row
-table for packed NVFP4 experts), with no sort and no gather. Larger batches sort the pairs by
-expert on the device and run grouped GEMMs over stacked expert weights (``torch._grouped_mm``
-for dense weights, the Triton W4A16 kernel for packed ones). Either way the weighted sum and
-the shared expert's add are one kernel (``kernels/moe_combine.py``) on the GPU.
+table for packed NVFP4 experts), with no sort and no gather; over dense experts, the pairs
+of several tokens (a verify) that share an expert read it once (the dedup kernel). Larger
+batches sort the pairs by expert on the device and run grouped GEMMs over stacked expert
+weights (``torch._grouped_mm`` for dense weights, the Triton W4A16 kernel for packed ones).
+Either way the weighted sum and the shared expert's add are one kernel
+(``kernels/moe_combine.py``) on the GPU.
 ``routed_reference`` is the plain per-expert loop the fast paths are tested against.
 On CUDA the routing after the router GEMM and the sort by expert are fused Triton kernels
 (kernels/moe_routing.py); ``route_reference`` and ``sort_by_expert_reference`` are the torch
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 from blockspec.kernels import moe_routing
 from blockspec.kernels.moe_combine import moe_combine, moe_combine_reference
-from blockspec.kernels.moe_pairs import pair_gemv
+from blockspec.kernels.moe_pairs import DEDUP_MAX_TOKENS, pair_gemv
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.models.nemotron_h_config import NemotronHConfig
@@ -160,11 +162,14 @@ class MoE(nn.Module):
     def routed_pairs(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                      shared: torch.Tensor | None) -> torch.Tensor:
         """Decode-sized batches: each (token, expert) pair through its expert's weights, in
-        pair order (no sort, no gather); see the module docstring."""
+        pair order (no sort, no gather); see the module docstring. Over dense experts, several
+        tokens (a speculative verify) read each distinct expert once (``dedup``); one token's
+        experts are distinct already."""
         if self._dense is not None:
             (wu, bu), (wd, bd) = self._dense
-            up = pair_gemv(h, ids, wu, bu, relu2=True)
-            y = pair_gemv(up, ids, wd, bd, x_per_pair=True)
+            dedup = 1 < ids.shape[0] <= DEDUP_MAX_TOKENS
+            up = pair_gemv(h, ids, wu, bu, relu2=True, dedup=dedup)
+            y = pair_gemv(up, ids, wd, bd, x_per_pair=True, dedup=dedup)
         else:
             from blockspec.quant.triton_w4a16 import grouped_w4a16
 
