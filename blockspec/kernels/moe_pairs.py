@@ -36,13 +36,14 @@ def pair_gemv_reference(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor
 
 def pair_gemv(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None = None, *, relu2: bool = False,
-              x_per_pair: bool = False, dedup: bool = False, block_n: int = 16,
-              block_k: int = 128, num_warps: int = 8, num_stages: int | None = None,
+              x_per_pair: bool = False, dedup: bool = False, block_n: int | None = None,
+              block_k: int = 128, num_warps: int | None = None, num_stages: int | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """The fused form of ``pair_gemv_reference`` (same arguments), one launch. The default
-    tile (16 columns x 128, 8 warps) was the fastest of the sweep in
-    ``scripts/bench_pair_gemv.py`` on an H200 at 6 and 24 pairs of Lightning's expert shapes
-    (3.5 and 4.1-4.3 TB/s; docs/benchmarks.md).
+    tiles are the fastest of ``scripts/bench_pair_gemv.py`` on an H200 at Lightning's expert
+    shapes (docs/benchmarks.md): 16 columns x 128 on 8 warps for the plain kernel (3.5 and
+    4.1-4.3 TB/s at 6 and 24 pairs), 32 x 128 on 4 warps for ``dedup`` (as fast as the plain
+    kernel when 24-36 pairs touch 23-32 experts, 1.2-2.4x faster when they share experts).
 
     ``dedup`` reads each distinct expert's weights once per call, for up to
     ``DEDUP_MAX_TOKENS`` tokens: the first pair of an expert computes the rows of all its
@@ -58,6 +59,8 @@ def pair_gemv(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     if dedup and tokens > DEDUP_MAX_TOKENS:
         raise ValueError(f"pair_gemv: dedup takes at most {DEDUP_MAX_TOKENS} tokens, "
                          f"got {tokens}")
+    block_n = block_n or (32 if dedup else 16)
+    num_warps = num_warps or (4 if dedup else 8)
     if dedup and min(block_n, block_k) < 16:
         raise ValueError(f"pair_gemv: dedup needs block_n, block_k >= 16 (tl.dot), "
                          f"got {block_n}, {block_k}")
