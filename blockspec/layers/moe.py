@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from blockspec.kernels import moe_routing
 from blockspec.kernels.moe_combine import moe_combine, moe_combine_reference
 from blockspec.kernels.moe_pairs import DEDUP_MAX_TOKENS, pair_gemv
+from blockspec.kernels.relu2 import relu2 as relu2_kernel, relu2_reference
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.models.nemotron_h_config import NemotronHConfig
@@ -37,7 +38,8 @@ PAIR_PATH_MAX_PAIRS = 64
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
-    return torch.square(F.relu(x))
+    """relu(x)^2: one kernel on the GPU (``kernels/relu2.py``), the torch reference elsewhere."""
+    return relu2_kernel(x) if use_triton(x) else relu2_reference(x)
 
 
 class ReluSquaredMLP(nn.Module):
@@ -56,14 +58,17 @@ class TopkRouter(nn.Module):
         super().__init__()
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
-        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype),
-                                   requires_grad=False)
+        # fp32 whatever the model dtype: the router GEMM runs in fp32 (as transformers' does),
+        # and a bf16 checkpoint value widens exactly once here instead of on every call
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size,
+                                               dtype=torch.float32), requires_grad=False)
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (expert ids [T,k], weights [T,k] fp32): the router GEMM in torch, the rest
         one fused kernel on CUDA (``route_reference`` elsewhere)."""
-        logits = F.linear(x.float(), self.weight.float())
+        w = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+        logits = F.linear(x.float(), w)
         args = (self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
                 self.norm_topk_prob, self.scale)
         if use_triton(logits):
