@@ -121,7 +121,7 @@ def main() -> None:
     p.add_argument("--preset", default="lightning-mini", choices=sorted(presets.PRESETS))
     p.add_argument("--quantized", action="store_true")
     p.add_argument("--draft", choices=["dflash", "dspark"])
-    p.add_argument("--draft-lm-head", default="target", choices=["target", "nvfp4"])
+    p.add_argument("--draft-lm-head", default="auto", choices=["auto", "target", "nvfp4"])
     p.add_argument("--width", type=int, default=4, help="verify width with --draft / --verify-only")
     p.add_argument("--verify-only", action="store_true",
                    help="time the target's verify forward of --width tokens alone (no draft, no "

@@ -150,5 +150,46 @@ def test_nvfp4_draft_head_keeps_an_already_quantized_head(target, caplog):
 def test_draft_lm_head_flag_is_checked():
     from blockspec.args import ArgsError, EngineArgs
 
-    with pytest.raises(ArgsError, match="speculative_draft_lm_head must be one of target, nvfp4"):
+    with pytest.raises(ArgsError, match="speculative_draft_lm_head must be one of auto, target, nvfp4"):
         EngineArgs.from_kwargs(speculative_draft_lm_head="fp8")
+
+
+def test_auto_keeps_the_stored_head_on_cpu_and_in_fp32(target):
+    """The default (auto) makes the NVFP4 copy only for a 16-bit head on CUDA: CPU engines and
+    fp32 models score drafts with the head as stored."""
+    from blockspec.speculative.draft_head import make_draft_head
+
+    root, folder, engine, _, _ = target
+    e = Engine(model_path=str(folder), device="cpu", speculative_algorithm="DSPARK",
+               speculative_draft_model_path=str(_draft(root, "dspark", "plain")))
+    try:
+        assert e.args.speculative_draft_lm_head == "auto" and e.drafter.head is None
+    finally:
+        e.shutdown()
+    draft = torch.nn.Module()
+    draft.lm_head = None
+    assert make_draft_head("auto", draft, engine.model) is None          # fp32 on CPU
+    assert make_draft_head("target", draft, engine.model) is None
+    assert make_draft_head("nvfp4", draft, engine.model) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_quantizes_a_bf16_head_on_cuda(target):
+    from blockspec.quant.linear import NVFP4Linear
+    from blockspec.speculative.draft_head import make_draft_head
+
+    _, _, engine, _, head = target
+
+    class Bf16Target(torch.nn.Module):
+        tied_head = False
+
+        def __init__(self):
+            super().__init__()
+            from blockspec.layers.linear import Linear
+            self.lm_head = Linear(HIDDEN, VOCAB, dtype=torch.bfloat16).cuda()
+            self.lm_head.weight.data.copy_(head)
+
+    draft = torch.nn.Module()
+    draft.lm_head = None
+    assert isinstance(make_draft_head("auto", draft, Bf16Target()), NVFP4Linear)

@@ -40,9 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-draft-model-path", help="draft checkpoint folder; default: none")
     p.add_argument("--speculative-num-draft-tokens", type=int,
                    help="verify block width; default: the draft's block_size (4 for --random-draft)")
-    p.add_argument("--speculative-draft-lm-head", default="target", choices=["target", "nvfp4"],
-                   help="head that scores draft blocks: the target's as stored, or a W4A16 NVFP4 "
-                        "copy made at load (verification stays exact)")
+    p.add_argument("--speculative-draft-lm-head", default="auto", choices=["auto", "target", "nvfp4"],
+                   help="head that scores draft blocks: the target's as stored, a W4A16 NVFP4 "
+                        "copy made at load (verification stays exact), or auto (the copy for a "
+                        "dense 16-bit head on CUDA)")
     p.add_argument("--simulate-accept-length", type=float, metavar="TAU",
                    help="force the mean tokens committed per verify (bonus included) to TAU, as if "
                         "a trained draft were attached (sglang's simulated acceptance); default: off")

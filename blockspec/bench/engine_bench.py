@@ -209,7 +209,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         "input_len": args.input_len, "output_len": args.output_len,
         "speculative": type(engine.drafter.draft).__name__ if engine.drafter else None,
         "simulated_accept_length": args.simulate_accept_length,
-        "draft_lm_head": args.speculative_draft_lm_head,
+        "draft_lm_head": (None if engine.drafter is None else
+                          "nvfp4" if engine.drafter.head is not None else "target"),
         "attention_backend": engine.backends.decode,
     }
     results = []

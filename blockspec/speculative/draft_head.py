@@ -31,6 +31,20 @@ def _source_weight(draft: nn.Module, target: nn.Module) -> torch.Tensor | None:
     return head.weight if type(head) is Linear else None
 
 
+def make_draft_head(choice: str, draft: nn.Module, target: nn.Module) -> NVFP4Linear | None:
+    """The worker's head for ``--speculative-draft-lm-head`` (None: score as stored). ``auto``
+    makes the copy only where it pays and is what a GPU serves anyway: a dense bf16/fp16 head
+    on CUDA (on the demo family it changed acceptance by -0.15 % for DSpark and 0 for DFlash,
+    docs/benchmarks.md); CPU runs and fp32 models keep the head as stored."""
+    if choice == "target":
+        return None
+    if choice == "auto":
+        w = _source_weight(draft, target)
+        if w is None or not w.is_cuda or w.dtype not in (torch.bfloat16, torch.float16):
+            return None
+    return nvfp4_draft_head(draft, target)
+
+
 def nvfp4_draft_head(draft: nn.Module, target: nn.Module) -> NVFP4Linear | None:
     """A W4A16 NVFP4 copy of the head the draft would use; None (with a log line) when that
     head is already quantized or its width is not a multiple of the NVFP4 group."""

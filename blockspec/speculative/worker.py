@@ -20,17 +20,17 @@ from blockspec.runtime.metadata import Mode, StepBatch, same_rows, uniform_metad
 from blockspec.runtime.model_runner import ModelRunner
 from blockspec.sampling import Stream, logprobs_of, uniforms
 from blockspec.speculative.accept import verify_block
-from blockspec.speculative.draft_head import nvfp4_draft_head
+from blockspec.speculative.draft_head import make_draft_head
 from blockspec.speculative.draft_loader import load_draft
 
 
 class SpecWorker:
     def __init__(self, draft: DFlashDraftModel, runner: ModelRunner, draft_backend: str,
-                 dtype: torch.dtype, draft_lm_head: str = "target") -> None:
+                 dtype: torch.dtype, draft_lm_head: str = "auto") -> None:
         self.draft, self.runner, self.target = draft, runner, runner.model
         draft.fuse()
         # None: the draft scores with its own head, else the target's (DFlashDraftModel)
-        self.head = nvfp4_draft_head(draft, self.target) if draft_lm_head == "nvfp4" else None
+        self.head = make_draft_head(draft_lm_head, draft, self.target)
         self.memory = runner.memory
         cfg = draft.config
         self.gamma = cfg.gamma
