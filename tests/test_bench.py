@@ -105,3 +105,38 @@ def test_bench_writes_nothing(tmp_path, monkeypatch):
     run(_args(device="cpu", input_len=4, output_len=3, repeats=1, random_draft="dflash",
               speculative_num_draft_tokens=3))
     assert list(work.iterdir()) == [] and list(tmp.iterdir()) == []
+
+
+def test_every_size_a_batch_can_shrink_into_is_captured_before_timing(tmp_path):
+    """``capture_up_to`` records the graphs of every captured size up to the batch's padded
+    size (requests of a batch finish at different steps); above the largest, all of them."""
+    from blockspec import Engine
+    from blockspec.demo import write_demo_model
+    from blockspec.runtime.graph_runner import capture_sizes
+
+    class Graphs:          # the GraphRunner surface ensure_graph uses, without CUDA
+        def __init__(self, max_bs):
+            self.sizes, self.max_bs, self.captured = capture_sizes(max_bs), max_bs, []
+
+        def padded_size(self, bs):
+            return next((s for s in self.sizes if s >= bs), None)
+
+        def has(self, key):
+            return key in self.captured
+
+        def capture(self, key, fn):
+            self.captured.append(key)
+
+    e = Engine(model_path=str(write_demo_model(tmp_path / "m")), device="cpu")
+    try:
+        runner = e.runner
+        runner.capture_up_to("decode", (True, False, False), runner.decode_step, 3)  # no graphs
+        runner.graphs = Graphs(16)
+        runner.capture_up_to("decode", (True, False, False), runner.decode_step, 3)
+        assert [k[2] for k in runner.graphs.captured] == [1, 2, 4]
+        runner.capture_up_to("decode", (True, False, False), runner.decode_step, 40)
+        assert [k[2] for k in runner.graphs.captured] == [1, 2, 4, 8, 16]
+        assert all(k[:2] == ("decode", (True, False, False)) for k in runner.graphs.captured)
+    finally:
+        runner.graphs = None
+        e.shutdown()

@@ -113,6 +113,18 @@ class ModelRunner:
         return gkey
 
     @torch.inference_mode()
+    def capture_up_to(self, kind: str, key: tuple, fn: StepFn, batch_size: int) -> None:
+        """Capture now every graph a batch of ``batch_size`` can shrink into as its requests
+        finish at different steps (each captured size up to its padded size), so that no
+        capture happens while the batch decodes. A no-op without graphs."""
+        if self.graphs is None:
+            return
+        top = self.graphs.padded_size(batch_size) or self.graphs.max_bs
+        for size in self.graphs.sizes:
+            if size <= top:
+                self.ensure_graph(kind, key, size, fn)
+
+    @torch.inference_mode()
     def run_step(self, batch: StepBatch, fn: StepFn, kind: str, width: int) -> torch.Tensor:
         """Run one step for ``batch``: fill the static inputs (one upload), replay the captured
         graph of (kind, sampling mode, padded size) or run ``fn`` eagerly, and read the
