@@ -1,21 +1,14 @@
 """Triton kernel of the draft's fused context K/V write (``kernels/draft_kv.py`` has the
 launcher; the torch reference is ``DFlashDraftModel.write_context``)."""
-import os
+from pathlib import Path
 
 import triton
 import triton.language as tl
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    @triton.jit
-    def _cos_sin(a):
-        return tl.cos(a), tl.sin(a)
-else:
-    from triton.language.extra.cuda import libdevice
+from blockspec.kernels.triton_loader import load_kernels
 
-    # full range reduction, like the CUDA cos/sin of the torch reference (see _rotary_kernels)
-    @triton.jit
-    def _cos_sin(a):
-        return libdevice.cos(a), libdevice.sin(a)
+# the rotary kernel's cos/sin (full range reduction, like the torch reference), in this mode
+_cos_sin = load_kernels(Path(__file__).with_name("_rotary_kernels.py"))._cos_sin
 
 
 @triton.jit
