@@ -3,6 +3,7 @@
 #   tests      GPU test files (runtime, engine, kernels)
 #   profile    lightning-mini step profiles (AR, DFlash, DSpark, verify alone, quantized AR)
 #   mini       lightning-mini benches: AR / DFlash / DSpark, bf16 and quantized, graphs vs eager
+#   ratio      lightning-mini batch 1, 512 tokens x 5 repeats: AR, DSpark, DFlash (#10's step ratios)
 #   simulate   lightning-mini with the published acceptance simulated
 #   full       full Nemotron 3.5 Lightning preset: bf16 and quantized, batch 1,4,16,64, transformers
 #   fullspec   full preset, own AR vs DFlash w6 tau 4.2 vs DSpark gamma 3 tau 3.7, batch 1,4,16,64
@@ -19,7 +20,8 @@ tests)
   timeout 240 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_engine.py \
       tests/test_moe_grouped.py tests/test_kernels.py tests/test_markov_walk.py \
       tests/test_moe_pairs.py tests/test_moe_combine.py tests/test_rotary_kernel.py \
-      tests/test_moe_routing.py tests/test_fp8_quant.py -q -p no:cacheprovider \
+      tests/test_moe_routing.py tests/test_draft_kv.py tests/test_relu2.py tests/test_draft_head.py \
+      tests/test_w4a16_tuned.py tests/test_fp8_quant.py -q -p no:cacheprovider \
       -o addopts="" -rf 2>&1 | tail -60 > "$OUT/gpu_tests.log"; tail -15 "$OUT/gpu_tests.log"
   ;;
 profile)
@@ -38,6 +40,12 @@ mini)
       --batch-size 1 --compare-eager 2>>"$OUT/stderr.log"
   timeout 60 $B --preset lightning-mini --random-draft dspark --speculative-num-draft-tokens 4 \
       --batch-size 1 --compare-eager 2>>"$OUT/stderr.log"
+  ;;
+ratio)
+  R="timeout 40 $B --preset lightning-mini --batch-size 1 --output-len 512 --repeats 5"
+  $R 2>>"$OUT/stderr.log"
+  $R --random-draft dspark --speculative-num-draft-tokens 4 2>>"$OUT/stderr.log"
+  $R --random-draft dflash --speculative-num-draft-tokens 4 2>>"$OUT/stderr.log"
   ;;
 simulate)
   # published Lightning acceptance, simulated: DFlash width 6 at tau 4.2, DSpark gamma 3 at 3.7
