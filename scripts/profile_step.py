@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from blockspec.args import DRAFT_LM_HEADS  # noqa: E402
 from blockspec.bench import presets  # noqa: E402
 from blockspec.engine import Engine  # noqa: E402
 from blockspec.runtime.metadata import StepBatch  # noqa: E402
@@ -121,7 +122,7 @@ def main() -> None:
     p.add_argument("--preset", default="lightning-mini", choices=sorted(presets.PRESETS))
     p.add_argument("--quantized", action="store_true")
     p.add_argument("--draft", choices=["dflash", "dspark"])
-    p.add_argument("--draft-lm-head", default="auto", choices=["auto", "target", "nvfp4"])
+    p.add_argument("--draft-lm-head", default="auto", choices=DRAFT_LM_HEADS)
     p.add_argument("--width", type=int, default=4, help="verify width with --draft / --verify-only")
     p.add_argument("--verify-only", action="store_true",
                    help="time the target's verify forward of --width tokens alone (no draft, no "

@@ -107,19 +107,16 @@ def test_bench_writes_nothing(tmp_path, monkeypatch):
     assert list(work.iterdir()) == [] and list(tmp.iterdir()) == []
 
 
-def test_every_size_a_batch_can_shrink_into_is_captured_before_timing(tmp_path):
-    """``capture_up_to`` records the graphs of every captured size up to the batch's padded
-    size (requests of a batch finish at different steps); above the largest, all of them."""
+def test_a_new_graph_size_comes_with_every_smaller_size_it_lacks(tmp_path):
+    """``ensure_graph`` captures the graph asked for and every smaller captured size not yet
+    there (a batch shrinks into those as requests finish), largest first, each once."""
     from blockspec import Engine
     from blockspec.demo import write_demo_model
     from blockspec.runtime.graph_runner import capture_sizes
 
     class Graphs:          # the GraphRunner surface ensure_graph uses, without CUDA
         def __init__(self, max_bs):
-            self.sizes, self.max_bs, self.captured = capture_sizes(max_bs), max_bs, []
-
-        def padded_size(self, bs):
-            return next((s for s in self.sizes if s >= bs), None)
+            self.sizes, self.captured = capture_sizes(max_bs), []
 
         def has(self, key):
             return key in self.captured
@@ -128,15 +125,16 @@ def test_every_size_a_batch_can_shrink_into_is_captured_before_timing(tmp_path):
             self.captured.append(key)
 
     e = Engine(model_path=str(write_demo_model(tmp_path / "m")), device="cpu")
+    key = (True, False, False)
     try:
         runner = e.runner
-        runner.capture_up_to("decode", (True, False, False), runner.decode_step, 3)  # no graphs
         runner.graphs = Graphs(16)
-        runner.capture_up_to("decode", (True, False, False), runner.decode_step, 3)
-        assert [k[2] for k in runner.graphs.captured] == [1, 2, 4]
-        runner.capture_up_to("decode", (True, False, False), runner.decode_step, 40)
-        assert [k[2] for k in runner.graphs.captured] == [1, 2, 4, 8, 16]
-        assert all(k[:2] == ("decode", (True, False, False)) for k in runner.graphs.captured)
+        assert runner.ensure_graph("decode", key, 4, runner.decode_step) == ("decode", key, 4)
+        assert [k[2] for k in runner.graphs.captured] == [4, 2, 1]
+        runner.ensure_graph("decode", key, 16, runner.decode_step)
+        assert [k[2] for k in runner.graphs.captured] == [4, 2, 1, 16, 8]
+        runner.ensure_graph("spec", key, 2, runner.decode_step)       # another kind: its own
+        assert runner.graphs.captured[-2:] == [("spec", key, 2), ("spec", key, 1)]
     finally:
         runner.graphs = None
         e.shutdown()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from blockspec.args import DRAFT_LM_HEADS
+
 # Keys of bench.presets.PRESETS (a test keeps the two in step).
 PRESET_NAMES = ("lightning-mini", "nemotron-3.5-lightning", "tiny")
 
@@ -40,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-draft-model-path", help="draft checkpoint folder; default: none")
     p.add_argument("--speculative-num-draft-tokens", type=int,
                    help="verify block width; default: the draft's block_size (4 for --random-draft)")
-    p.add_argument("--speculative-draft-lm-head", default="auto", choices=["auto", "target", "nvfp4"],
+    p.add_argument("--speculative-draft-lm-head", default="auto", choices=DRAFT_LM_HEADS,
                    help="head that scores draft blocks: the target's as stored, a W4A16 NVFP4 "
                         "copy made at load (verification stays exact), or auto (the copy for a "
                         "dense 16-bit head on CUDA)")

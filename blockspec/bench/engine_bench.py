@@ -111,13 +111,7 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
         _sync(engine.device)
         return time.perf_counter() - t0, outs
 
-    # every graph size the batch can shrink into, before any timing: with simulated or real
-    # acceptance requests finish at different steps, and a lazy capture inside a timed run
-    # would be counted as decode time
-    fn, kind = ((engine.drafter.step_fn, "spec") if engine.drafter is not None
-                else (engine.runner.decode_step, "decode"))
-    engine.runner.capture_up_to(kind, (args.temperature <= 0, False, False), fn, batch)
-    timed(sp)                                              # warm-up: allocations
+    timed(sp)                                              # warm-up: allocations, graph capture
     prefill = statistics.median(timed({**sp, "max_new_tokens": 1})[0] for _ in range(args.repeats))
     runs = [timed(sp) for _ in range(args.repeats)]
     total = statistics.median(r[0] for r in runs)

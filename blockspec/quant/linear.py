@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.kernels.fp8_quant import E4M3_MAX, quantize_fp8_act
+from blockspec.kernels.fp8_quant import quantize_fp8_act
 from blockspec.kernels.fp8_quant import quantize_fp8_act_reference as _quantize_act
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.quant.config import FORMATS, FP8, NVFP4, W4A16_NVFP4
-from blockspec.quant.fp8 import dequantize_fp8
+from blockspec.quant.fp8 import dequantize_fp8, fp8_scale
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4, dequantize_nvfp4_rows
 
 # Buffers whose dtype is part of the format: ``module.to(dtype)`` / ``.half()`` must only move
@@ -209,7 +209,7 @@ def _version(t: torch.Tensor | None) -> int | None:
 
 
 def _dynamic_scale(x: torch.Tensor) -> torch.Tensor:
-    return (x.abs().amax().float() / E4M3_MAX).clamp_min(1e-12)
+    return fp8_scale(x.abs().amax()).clamp_min(1e-12)
 
 
 def _scaled_mm_ok(x: torch.Tensor, k: int, n: int) -> bool:

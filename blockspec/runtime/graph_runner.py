@@ -4,7 +4,8 @@ replay afterwards.
 A step is a pure function of the static step inputs and the caches (``runtime.metadata``), so
 capturing it records every kernel of the forward(s), the sampler and, for speculative steps,
 acceptance and commit. Batches are padded to the next captured size with rows that point at
-the memory manager's dummy slot. Graphs are captured lazily, the first time a key is needed,
+the memory manager's dummy slot. Graphs are captured lazily, the first time a key is needed
+(``ModelRunner.ensure_graph`` then also captures the smaller sizes the batch can shrink into),
 and share one memory pool (they never run concurrently, and each step's outputs are read back
 before the next replay).
 """

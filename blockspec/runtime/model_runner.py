@@ -103,26 +103,18 @@ class ModelRunner:
         self.graphs = None
 
     def ensure_graph(self, kind: str, key: tuple, padded: int, fn: StepFn) -> tuple:
-        """The graph of (kind, sampling mode, padded size), captured now if it is new: the step
-        inputs are dummy rows while it warms up and records, so no real cache is touched."""
-        gkey = (kind, key, padded)
-        if not self.graphs.has(gkey):
-            self.inputs.fill_dummy(0, padded)
-            self.inputs.upload()
-            self.graphs.capture(gkey, lambda: fn(self.inputs.view(padded), key))
-        return gkey
-
-    @torch.inference_mode()
-    def capture_up_to(self, kind: str, key: tuple, fn: StepFn, batch_size: int) -> None:
-        """Capture now every graph a batch of ``batch_size`` can shrink into as its requests
-        finish at different steps (each captured size up to its padded size), so that no
-        capture happens while the batch decodes. A no-op without graphs."""
-        if self.graphs is None:
-            return
-        top = self.graphs.padded_size(batch_size) or self.graphs.max_bs
-        for size in self.graphs.sizes:
-            if size <= top:
-                self.ensure_graph(kind, key, size, fn)
+        """The graph of (kind, sampling mode, padded size), captured now if it is new, together
+        with every smaller captured size it lacks: a batch shrinks into those as its requests
+        finish at different steps, and a capture then would stall the running requests.
+        Largest first (smaller graphs reuse the shared pool). The step inputs are dummy rows
+        while a graph warms up and records, so no real cache is touched."""
+        for size in sorted((s for s in self.graphs.sizes if s <= padded), reverse=True):
+            gkey = (kind, key, size)
+            if not self.graphs.has(gkey):
+                self.inputs.fill_dummy(0, size)
+                self.inputs.upload()
+                self.graphs.capture(gkey, lambda size=size: fn(self.inputs.view(size), key))
+        return (kind, key, padded)
 
     @torch.inference_mode()
     def run_step(self, batch: StepBatch, fn: StepFn, kind: str, width: int) -> torch.Tensor:
