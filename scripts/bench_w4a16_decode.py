@@ -8,9 +8,9 @@ Why: at decode a W4A16 call moves only 2-10 MB (Lightning at batch 1: 93 calls o
 its time is set by tile shape, split-K, warps and pipeline depth, not by bandwidth.  The
 problems are the ones a decode step runs (Nemotron-3.5-Lightning, 128 experts, top-6):
 
-- routed experts: ``grouped_w4a16`` over a one-block-per-pair table (``_pair_blocks``, as
-  ``MoE.routed_pairs`` builds it) for 6, 24 and 36 pairs (1, 4, 6 tokens), up 1856x2688 (x is
-  each token's row repeated per pair) and down 2688x1856 (one x row per pair);
+- routed experts: ``pair_w4a16`` (one block per pair, deduplicating over several tokens, as
+  ``MoE.routed_pairs`` calls it) for 6, 24 and 36 pairs (1, 4, 6 tokens), up 1856x2688 (x is
+  one row per token) and down 2688x1856 (one x row per pair);
 - shared expert: dense ``w4a16_linear`` at M = 1, 4, 6, up 3712x2688 and down 2688x3712;
 - lm_head: dense 131072x2688 at M = 1, 4.
 
@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from blockspec.quant import triton_w4a16 as tw  # noqa: E402
 
-EXPERTS, TOP_K, BLOCK_M = 128, 6, 16   # Lightning's routing; _pair_blocks' rows per block
+EXPERTS, TOP_K, BLOCK_M = 128, 6, 16   # Lightning's routing; pair_w4a16's rows per block
 TOL = 1e-2
 H200_SMS = 132                         # --plan without a GPU plans for an H200
 # The grid.  split_k None ("auto", ``_pick_split_k``) is resolved to the split it launches, so
@@ -85,7 +85,7 @@ class Problem:
     k: int
     m: int
     experts: int = 0
-    repeat_x: bool = False    # grouped up: each token's row repeated TOP_K times
+    repeat_x: bool = False    # grouped up: x is one row per token (not per pair)
 
     @property
     def grouped(self) -> bool:
@@ -146,9 +146,10 @@ class Built:
     def call(self, cfg: dict, variant: int = 0) -> Callable[[], torch.Tensor]:
         p = self.problem
         if p.grouped:
-            x, blocks, w, s, s2 = self.variants[variant]
-            return lambda: tw.grouped_w4a16(x, None, w, s, s2, blocks=blocks, variant="v2",
-                                            **cfg)
+            x, ids, w, s, s2 = self.variants[variant]
+            dedup = 1 < ids.shape[0] <= tw.PAIR_DEDUP_MAX_TOKENS    # as MoE.routed_pairs
+            return lambda: tw.pair_w4a16(x, ids, w, s, s2, x_per_pair=not p.repeat_x,
+                                         dedup=dedup, **cfg)
         x, w, s, s2 = self.variants[variant]
         return lambda: tw.w4a16_linear(x, w, s, s2, variant="v2", **cfg)
 
@@ -179,11 +180,8 @@ _WEIGHTS: dict[tuple, tuple] = {}
 
 def build(problem: Problem, device: torch.device | str, variants: int = 1, seed: int = 0,
           reference: bool = True) -> Built:
-    """Inputs of ``problem``: random expert draws (grouped, ``_pair_blocks`` tables) or weight
-    copies (dense), x, and the reference output of variant 0 (``grouped_w4a16_reference``
-    on the pairs sorted by expert, or ``w4a16_linear_reference``)."""
-    from blockspec.layers.moe import _pair_blocks
-
+    """Inputs of ``problem``: random expert draws (grouped: ``ids`` [tokens, TOP_K]) or weight
+    copies (dense), x, and the reference output of variant 0 (``pair_w4a16_reference``, or ``w4a16_linear_reference``)."""
     p, dev = problem, torch.device(device)
     if p.grouped and (p.m % TOP_K or p.experts < TOP_K):
         raise ValueError(f"{p.name}: a grouped problem needs pairs a multiple of {TOP_K} and "
@@ -196,23 +194,17 @@ def build(problem: Problem, device: torch.device | str, variants: int = 1, seed:
         if key not in _WEIGHTS:
             _WEIGHTS[key] = random_nvfp4((p.experts, p.n, p.k), gen, dev)
         w, s, s2 = _WEIGHTS[key]
-        x = (h.repeat_interleave(TOP_K, dim=0) if p.repeat_x
-             else torch.randn(p.m, p.k, generator=gen, device=dev).bfloat16())
+        x = h if p.repeat_x else torch.randn(p.m, p.k, generator=gen, device=dev).bfloat16()
         out, moved = [], []
         for _ in range(variants):
             ids = torch.stack([torch.randperm(p.experts, generator=gen, device=dev)[:TOP_K]
                                for _ in range(tokens)])
-            out.append((x, _pair_blocks(ids), w, s, s2))
+            out.append((x, ids, w, s, s2))
             moved.append(len(set(ids.reshape(-1).tolist())) * p.weight_bytes)
         built = Built(p, out, sum(moved) / len(moved) + x.numel() * 2 + p.m * p.n * 2)
         if reference:
-            ids = out[0][1][0].long()
-            order = torch.argsort(ids, stable=True)
-            counts = torch.bincount(ids, minlength=p.experts)
-            offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-            ref_sorted = tw.grouped_w4a16_reference(x[order], offsets, w, s, s2)
-            built.ref = torch.empty_like(ref_sorted)
-            built.ref[order] = ref_sorted
+            built.ref = tw.pair_w4a16_reference(x, out[0][1], w, s, s2,
+                                                x_per_pair=not p.repeat_x)
         return built
     out = []
     for i in range(variants):

@@ -229,16 +229,14 @@ def test_dense_launch_honours_the_table(interpreter, spy, tmp_path, monkeypatch)
 
 
 @needs_triton
-def test_grouped_pair_table_launch_honours_the_table(interpreter, spy, tmp_path, monkeypatch):
-    from blockspec.layers.moe import _pair_blocks
-
+def test_pair_launch_honours_the_table(interpreter, spy, tmp_path, monkeypatch):
     n, k, experts = 32, 128, 5
     w, s, s2 = _weights(n, k, experts, seed=2)
     ids = torch.tensor([[3, 0, 4], [1, 3, 2]])
     x = torch.randn(ids.numel(), k, generator=torch.Generator().manual_seed(3)).bfloat16()
     _table(tmp_path, {tw.problem_key(n, k, 16, ids.numel()): {"block_n": 16, "split_k": 2,
                                                               "block_k": 64}}, monkeypatch)
-    y = tw.grouped_w4a16(x, None, w, s, s2, blocks=_pair_blocks(ids), variant="v2")
+    y = tw.pair_w4a16(x, ids, w, s, s2, x_per_pair=True)
     last = spy()[-1]
     assert (last["BLOCK_N"], last["SPLIT"], last["grid"]) == (16, 2, (6, 2, 2))
     for pair, e in enumerate(ids.reshape(-1).tolist()):
@@ -354,15 +352,15 @@ def test_precompile_pool_records_failures(sweep, interpreter, monkeypatch):
 
 
 def test_pair_reference_matches_per_pair_products(sweep):
-    """The grouped builder's reference (pairs sorted by expert, then scattered back) is each
-    pair's row times its own expert's weight."""
+    """The grouped builder's reference is each pair's row (its token's for the up projection)
+    times its own expert's weight."""
     p = sweep.Problem("tiny", "grouped", 16, 64, 12, experts=8, repeat_x=True)
     built = sweep.build(p, "cpu", variants=2)
-    x, blocks, w, s, s2 = built.variants[0]
-    assert len(built.variants) == 2 and x.shape == (12, 64) and blocks[3:] == (12, 16)
-    assert torch.equal(x[0], x[5]) and not torch.equal(x[0], x[6])  # one row per token
-    for pair, e in enumerate(blocks[0].tolist()):
-        ref = tw.w4a16_linear_reference(x[pair:pair + 1], w[e], s[e], s2[e])[0]
+    x, ids, w, s, s2 = built.variants[0]
+    assert len(built.variants) == 2 and x.shape == (2, 64) and ids.shape == (2, 6)
+    for pair, e in enumerate(ids.reshape(-1).tolist()):
+        row = x[pair // 6:pair // 6 + 1]                                 # one row per token
+        ref = tw.w4a16_linear_reference(row, w[e], s[e], s2[e])[0]
         assert torch.equal(built.ref[pair], ref)
 
 

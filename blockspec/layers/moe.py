@@ -7,9 +7,10 @@ the weights are the un-biased scores, renormalised when ``norm_topk_prob``, time
 
 The routed experts run without reading the device back (graph-safe). Decode-sized batches
 (at most ``PAIR_PATH_MAX_PAIRS`` (token, expert) pairs, on the GPU) run per pair: each pair's
-programs read its expert's rows (``kernels/moe_pairs.py``; the W4A16 kernel with a one-row
-table for packed NVFP4 experts), with no sort and no gather; over dense experts, the pairs
-of several tokens (a verify) that share an expert read it once (the dedup kernel). Larger
+programs read its expert's rows (``kernels/moe_pairs.py``; the W4A16 kernel's pair mode,
+``pair_w4a16``, for packed NVFP4 experts, with relu^2 in the up projection's epilogue), with
+no sort and no gather; the pairs of several tokens (a verify) that share an expert read and
+decode it once (the dedup kernels). Larger
 batches sort the pairs by expert on the device and run grouped GEMMs over stacked expert
 weights (``torch._grouped_mm`` for dense weights, the Triton W4A16 kernel for packed ones).
 Either way the weighted sum and the shared expert's add are one kernel
@@ -50,7 +51,9 @@ class ReluSquaredMLP(nn.Module):
         self.down_proj = build_linear(f"{prefix}.down_proj", inner, hidden, bias, quant, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(relu2(self.up_proj(x)))
+        fused = getattr(self.up_proj, "forward_relu2", None)
+        h = fused(x) if fused is not None else None      # NVFP4 up: relu^2 in its epilogue
+        return self.down_proj(relu2(self.up_proj(x)) if h is None else h)
 
 
 class TopkRouter(nn.Module):
@@ -176,13 +179,12 @@ class MoE(nn.Module):
             up = pair_gemv(h, ids, wu, bu, relu2=True, dedup=dedup)
             y = pair_gemv(up, ids, wd, bd, x_per_pair=True, dedup=dedup)
         else:
-            from blockspec.quant.triton_w4a16 import grouped_w4a16
+            from blockspec.quant.triton_w4a16 import PAIR_DEDUP_MAX_TOKENS, pair_w4a16
 
             (wu, su, s2u), (wd, sd, s2d) = self._grouped
-            blocks = _pair_blocks(ids)
-            x = h.repeat_interleave(ids.shape[1], dim=0)
-            up = grouped_w4a16(x, None, wu, su, s2u, blocks=blocks)
-            y = grouped_w4a16(relu2(up), None, wd, sd, s2d, blocks=blocks)
+            dedup = 1 < ids.shape[0] <= PAIR_DEDUP_MAX_TOKENS
+            up = pair_w4a16(h, ids, wu, su, s2u, relu2=True, dedup=dedup)
+            y = pair_w4a16(up, ids, wd, sd, s2d, x_per_pair=True, dedup=dedup)
         return combine(y, None, w, shared, h.dtype)
 
     def routed_dense(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -257,13 +259,6 @@ def combine(y: torch.Tensor, order: torch.Tensor | None, w: torch.Tensor,
     if use_triton(y):
         return moe_combine(y, order, w, shared, dtype)
     return moe_combine_reference(y, order, w, shared, dtype)
-
-
-def _pair_blocks(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """A W4A16 row-block table with one block per (token, expert) pair, in pair order."""
-    pairs = ids.numel()
-    rows = torch.arange(pairs, dtype=torch.int32, device=ids.device)
-    return ids.reshape(-1).to(torch.int32), rows, rows + 1, pairs, 16
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,6 +132,17 @@ class NVFP4Linear(_QuantBase):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dense_weight(x.dtype), bias)
 
+    def forward_relu2(self, x: torch.Tensor) -> torch.Tensor | None:
+        """relu(forward(x))^2 with the square in the W4A16 kernel's epilogue (one launch for
+        an expert's up projection), or None where that kernel does not run."""
+        if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.bias is None):
+            from blockspec.quant.triton_w4a16 import triton_available, w4a16_linear
+
+            if triton_available():
+                return w4a16_linear(x, self.weight, self.weight_scale, self.weight_scale_2,
+                                    relu2=True)
+        return None
+
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}, "
                 f"bias={self.bias is not None}")

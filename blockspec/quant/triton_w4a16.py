@@ -198,6 +198,14 @@ def _kernels_v2(interpret: bool):
     import triton.language as tl
 
     @triton.jit
+    def _w4a16_min_fn(a, b):
+        return tl.minimum(a, b)
+
+    # The kernel's one helper lives in the module's globals (the interpreter resolves names
+    # there, not in this closure).
+    globals()["_w4a16_min_fn"] = _w4a16_min_fn
+
+    @triton.jit
     def _w4a16_v2_kernel(
         x_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, part_ptr, cnt_ptr,
         blk_expert_ptr, blk_row0_ptr, blk_row1_ptr,
@@ -207,20 +215,58 @@ def _kernels_v2(interpret: bool):
         SLICES: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr, DECODE: tl.constexpr,
         GROUPED: tl.constexpr,
         EVEN_N: tl.constexpr, MASK_K: tl.constexpr, SCALE_WORDS: tl.constexpr,
-        K_ITERS: tl.constexpr,
+        K_ITERS: tl.constexpr, PAIRS: tl.constexpr = 0, TOPK: tl.constexpr = 1,
+        X_PER_PAIR: tl.constexpr = False, DEDUP: tl.constexpr = False,
+        RELU2: tl.constexpr = False,
     ):
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
-        if GROUPED:  # row-block table (issued together: one round trip before the weights)
+        lanes = tl.arange(0, BLOCK_M)
+        if PAIRS:  # block = (token, expert) pair p of ids [M tokens, TOPK] (blk_expert_ptr)
+            e32 = tl.load(blk_expert_ptr + pid_b)
+            expert = e32.to(tl.int64)
+            if DEDUP:
+                # Pairs are keyed by (expert, how often it came earlier in the same token: 0
+                # under top-k routing), so a key has at most one pair per token; lane t of
+                # the tile is token t's pair of p's key.  Only the key's first pair (the
+                # leader) runs: it reads the expert once for all its tokens' rows.
+                occ_p = pid_b * 0
+                for jj in tl.static_range(TOPK):
+                    same = tl.load(blk_expert_ptr + (pid_b // TOPK) * TOPK + jj) == e32
+                    occ_p += (same & (jj < pid_b % TOPK)).to(tl.int32)
+                tm = lanes < M
+                first = tl.full([BLOCK_M], 1 << 30, tl.int32)
+                for jj in tl.static_range(TOPK):
+                    col = tl.load(blk_expert_ptr + lanes * TOPK + jj, mask=tm, other=-1)
+                    occ = lanes * 0
+                    for j2 in tl.static_range(jj):
+                        occ += (tl.load(blk_expert_ptr + lanes * TOPK + j2, mask=tm,
+                                        other=-1) == col).to(tl.int32)
+                    first = tl.where(tm & (col == e32) & (occ == occ_p), lanes * TOPK + jj,
+                                     first)
+                if tl.reduce(first, 0, _w4a16_min_fn) != pid_b:
+                    return
+                rmask = first < (1 << 30)
+                out_rows = first
+                x_rows = first if X_PER_PAIR else lanes
+            else:  # one row: lane 0 = the pair's own
+                rmask = lanes == 0
+                out_rows = pid_b + lanes * 0
+                x_rows = out_rows if X_PER_PAIR else out_rows // TOPK
+        elif GROUPED:  # row-block table (issued together: one round trip before the weights)
             row0 = tl.load(blk_row0_ptr + pid_b)
             row1 = tl.load(blk_row1_ptr + pid_b)
             expert = tl.load(blk_expert_ptr + pid_b).to(tl.int64)
             if row0 >= row1:  # padding block of the grouped grid
                 return
+            out_rows = row0 + lanes
+            rmask = out_rows < row1
+            x_rows = out_rows
         else:  # dense: no table to wait for
-            row0 = pid_b * BLOCK_M
-            row1 = tl.minimum(row0 + BLOCK_M, M)
+            out_rows = pid_b * BLOCK_M + lanes
+            rmask = out_rows < M
+            x_rows = out_rows
             expert = 0
         # weight_scale_2, times the 2^8 that the exact decode below leaves out.
         gscale = tl.load(ws2_ptr + expert) * 256.0
@@ -235,8 +281,6 @@ def _kernels_v2(interpret: bool):
         GS: tl.constexpr = GROUPS // 4 if SCALE_WORDS else GROUPS
         CHUNK: tl.constexpr = BLOCK_K * SLICES
         RANK3: tl.constexpr = SLICES > 1      # slices of K side by side: a batched dot
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row1
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = cols < N
         jq = tl.arange(0, QK)
@@ -248,7 +292,7 @@ def _kernels_v2(interpret: bool):
             stride_sn = stride_sn // 4
         x_base = x_ptr.to(tl.pointer_type(tl.int64))
         cols64 = cols.to(tl.int64)
-        rows64 = rows.to(tl.int64)
+        rows64 = x_rows.to(tl.int64)
         if RANK3:
             js = tl.arange(0, SLICES)
             kq = (js * QK)[:, None, None] + jq[None, None, :]
@@ -405,10 +449,14 @@ def _kernels_v2(interpret: bool):
         if SWAP:
             acc = tl.trans(acc)
 
-        out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :]
+        out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
         omask = rmask[:, None] & nmask[None, :]
         if SPLIT == 1:
-            tl.store(out_ptrs, (acc * gscale).to(out_ptr.dtype.element_ty), mask=omask)
+            y = (acc * gscale).to(out_ptr.dtype.element_ty)
+            if RELU2:  # relu(.)^2 of the rounded value, as relu2(linear(x)) computes it
+                yf = tl.maximum(y.to(tl.float32), 0.0)
+                y = (yf * yf).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptrs, y, mask=omask)
         else:
             # Split-K: park the fp32 partial; the last CTA of the tile sums all of them, so
             # no second kernel is needed.  fence.acq_rel.gpu in every thread (a replicated
@@ -434,7 +482,11 @@ def _kernels_v2(interpret: bool):
                     total += tl.load(part + sp * num_tiles * (BLOCK_M * BLOCK_N),
                                      cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + tile, 0)
-                tl.store(out_ptrs, (total * gscale).to(out_ptr.dtype.element_ty), mask=omask)
+                y = (total * gscale).to(out_ptr.dtype.element_ty)
+                if RELU2:
+                    yf = tl.maximum(y.to(tl.float32), 0.0)
+                    y = (yf * yf).to(out_ptr.dtype.element_ty)
+                tl.store(out_ptrs, y, mask=omask)
 
     return _w4a16_v2_kernel
 
@@ -680,15 +732,19 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                block_m: int, n: int, k: int, out_dtype: torch.dtype, variant: str,
                block_n: int | None = None, block_k: int | None = None,
                k_slices: int | None = None, split_k: int | None = None,
-               num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+               num_warps: int | None = None, num_stages: int | None = None,
+               pairs: dict | None = None, relu2: bool = False) -> torch.Tensor:
     """``tables``: (expert, row0, row1) per row block for the grouped GEMM, None for dense.
+    ``pairs`` (``pair_w4a16``): ``ids`` [tokens, topk], ``x_per_pair``, ``dedup``; one block
+    per pair, ``num_blocks`` = pairs, ``out`` has a row per pair. ``relu2``: relu(.)^2 of
+    the rounded output, in the kernel's epilogue.
 
     Keywords left None come from ``v2_default_config``; the tuned table applies to ``v2``
     only (the other variants are comparisons, and ``v2w`` needs its own tile shapes).
     """
     interpret = interpreting()
     kernel = _kernels_v2(interpret)
-    if tables is None:
+    if tables is None and pairs is None:
         cfg = v2_default_config(n, k, x.shape[0], block_m=block_m, tuned=variant == "v2")
     else:
         cfg = v2_default_config(n, k, block_m, blocks=num_blocks, tuned=variant == "v2")
@@ -712,7 +768,7 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         x = x.clone()
     if weight.data_ptr() % 2:
         weight = weight.clone()
-    rows = x.shape[0]
+    rows = x.shape[0] if pairs is None else num_blocks
     out = torch.empty((rows, n), dtype=torch.float32 if interpret else out_dtype,
                       device=x.device)
     num_tiles = num_blocks * tiles_n
@@ -731,14 +787,22 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         decode = _DEC_TRITON if variant == "v2t" else _DEC_ASM
         extra = {"num_warps": num_warps or cfg["num_warps"],
                  "num_stages": num_stages or cfg["num_stages"]}
+    if pairs is not None:
+        ids = pairs["ids"]
+        tables, m_arg = (ids.reshape(-1),) * 3, ids.shape[0]
+        extra.update(PAIRS=1, TOPK=ids.shape[1], X_PER_PAIR=pairs["x_per_pair"],
+                     DEDUP=pairs["dedup"])
+    else:
+        m_arg = rows
     kernel[(num_blocks, tiles_n, split)](
         x, w3, s3, ws2, out, part, counters, *(tables or (ws2, ws2, ws2)),
-        rows, n, k, k_per_split, num_tiles,
+        m_arg, n, k, k_per_split, num_tiles,
         x.stride(0), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SLICES=slices, SPLIT=split,
-        SWAP=swap, DECODE=decode, GROUPED=tables is not None, EVEN_N=n % block_n == 0,
+        SWAP=swap, DECODE=decode, GROUPED=tables is not None and pairs is None,
+        EVEN_N=n % block_n == 0,
         MASK_K=interpret or k % chunk != 0, SCALE_WORDS=k % 64 == 0 and block_k >= 128,
-        K_ITERS=k_per_split // chunk if interpret else 0,
+        K_ITERS=k_per_split // chunk if interpret else 0, RELU2=relu2,
         **extra,
     )
     return out if out.dtype == out_dtype else out.to(out_dtype)
@@ -797,13 +861,18 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                  variant: str | None = None, block_m: int | None = None,
                  block_n: int | None = None, block_k: int | None = None,
                  k_slices: int | None = None, split_k: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 relu2: bool = False) -> torch.Tensor:
     """``x[..., K] @ dequant(W)^T (+ bias)`` -> ``[..., N]`` in x's dtype, via the Triton kernel.
 
     ``variant``: one of ``VARIANTS`` (default: ``default_variant()``); the other keywords
-    override the tile configuration (``block_m`` and ``k_slices`` are v2 only).
+    override the tile configuration (``block_m`` and ``k_slices`` are v2 only). ``relu2``:
+    relu(.)^2 of the rounded result in the v2 kernel's epilogue (an expert's up projection;
+    not with a bias, which is added after the kernel).
     """
     n, k = _check(x, weight, weight_scale)
+    if relu2 and bias is not None:
+        raise ValueError("w4a16_linear: relu2 is fused before the bias is added; pass one")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -821,10 +890,12 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         block_m = _pick_block_m(m)
         y = _launch_v1(x2, w, s, ws2, *_dense_blocks(m, block_m, x.device), -(-m // block_m),
                        block_m, n, k, out_dtype, **cfg)
+        if relu2:
+            y = torch.square(F.relu(y))
     else:
         block_m = block_m or _builtin_v2_config(n, k, m)["block_m"]  # (not a tuned key)
         y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype,
-                       variant, k_slices=k_slices, **cfg)
+                       variant, k_slices=k_slices, relu2=relu2, **cfg)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, n)
@@ -904,6 +975,66 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor | None, weight: 
                           **cfg)
     return _launch_v2(x2, w, s, ws2, (blk_expert, row0, row1), nb, block_m, n, k, x.dtype,
                       variant or default_variant(), k_slices=k_slices, **cfg)
+
+
+# A pair tile's rows are the tokens of one expert under ``dedup`` (BLOCK_M = 16 at decode).
+PAIR_DEDUP_MAX_TOKENS = 16
+
+
+def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
+               weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, *,
+               x_per_pair: bool = False, dedup: bool = False, relu2: bool = False,
+               **tile: int | None) -> torch.Tensor:
+    """MoE at decode sizes, one launch: pair p = (token p // k, expert ``ids.flat[p]``) ->
+    row p of the ``[T*k, N]`` result in x's dtype (``x`` [T, K], or [T*k, K] with
+    ``x_per_pair``). Stacked weights as in ``grouped_w4a16``; no sort, gather or row-block
+    table (the kernel reads ``ids``). ``dedup`` (at most ``PAIR_DEDUP_MAX_TOKENS`` tokens):
+    the pairs of one expert share a program, which decodes the expert's weights once and
+    multiplies them by all its tokens' rows in one MMA tile (a speculative verify's tokens
+    often share experts; decoding, not only reading, is what a W4A16 call pays for).
+    ``relu2`` applies relu(.)^2 to the rounded result (the expert's up projection). ``tile``:
+    the tile keywords of ``w4a16_linear``."""
+    n, k = _check(x, weight, weight_scale)
+    if weight.dim() != 3:
+        raise ValueError(f"pair_w4a16: weight must be stacked [E, N, K/2], got "
+                         f"{tuple(weight.shape)}")
+    if ids.dim() != 2:
+        raise ValueError(f"pair_w4a16: ids must be [tokens, k], got {tuple(ids.shape)}")
+    tokens, topk = ids.shape
+    pairs = tokens * topk
+    want = pairs if x_per_pair else tokens
+    if x.shape[0] != want:
+        raise ValueError(f"pair_w4a16: x has {x.shape[0]} rows, expected {want} "
+                         f"({'one per pair' if x_per_pair else 'one per token'})")
+    if dedup and tokens > PAIR_DEDUP_MAX_TOKENS:
+        raise ValueError(f"pair_w4a16: dedup takes at most {PAIR_DEDUP_MAX_TOKENS} tokens, "
+                         f"got {tokens}")
+    if pairs == 0:
+        return x.new_empty((0, n))
+    e = weight.shape[0]
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    ws2 = weight_scale_2.reshape(e).to(torch.float32)
+    ids32 = ids.to(torch.int32).contiguous()
+    variant = default_variant()
+    variant = "v2" if variant == "v1" else variant     # (v1 has no pair mode)
+    return _launch_v2(x2, weight.contiguous(), weight_scale.contiguous(), ws2, None, pairs, 16,
+                      n, k, x.dtype, variant, pairs={"ids": ids32, "x_per_pair": x_per_pair,
+                                                  "dedup": dedup}, relu2=relu2, **tile)
+
+
+def pair_w4a16_reference(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
+                         weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, *,
+                         x_per_pair: bool = False, relu2: bool = False) -> torch.Tensor:
+    """Pure torch ``pair_w4a16``: each pair's row through its exactly dequantized expert."""
+    flat = ids.reshape(-1).tolist()
+    rows = x if x_per_pair else x.repeat_interleave(ids.shape[1], dim=0)
+    out = []
+    for p, ex in enumerate(flat):
+        w = dequantize_nvfp4(weight[ex], weight_scale[ex], weight_scale_2.reshape(-1)[ex],
+                             dtype=x.dtype)
+        out.append(F.linear(rows[p:p + 1], w))
+    y = torch.cat(out) if out else x.new_empty((0, weight.shape[-2]))
+    return torch.square(F.relu(y)) if relu2 else y
 
 
 def grouped_blocks(expert_offsets: torch.Tensor, rows: int

@@ -1,0 +1,140 @@
+"""``pair_w4a16`` (the W4A16 kernel's per-pair mode, plain and deduplicating) against the
+per-pair torch reference.
+
+CPU: the Triton interpreter (exact fp32 decode, so indexing, dedup leaders, splits and the
+relu^2 epilogue are what is checked). GPU (``-m gpu``): the compiled kernel at Lightning's
+expert shapes, verify-sized token counts, random and shared routing, inside a CUDA graph.
+"""
+import pytest
+import torch
+
+from blockspec.quant import triton_w4a16 as tw
+from blockspec.quant.nvfp4 import quantize_nvfp4
+
+needs_triton = pytest.mark.skipif(not tw.triton_available(), reason="triton not importable")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+gpu = pytest.mark.gpu
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def _experts(e, n, k, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    packed = [quantize_nvfp4((torch.randn(n, k, generator=g) * 0.05 * (1 + i % 3)).bfloat16())
+              for i in range(e)]
+    return tuple(torch.stack([p[j] for p in packed]).to(device) for j in range(3))
+
+
+def _ids(tokens, topk, e, seed, device="cpu", shared=0):
+    """Top-k ids (distinct per token); ``shared`` experts are chosen by every token."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(tokens):
+        rest = torch.randperm(e - shared, generator=g)[:topk - shared] + shared
+        rows.append(torch.cat([torch.arange(shared), rest])[torch.randperm(topk, generator=g)])
+    return torch.stack(rows).to(device)
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@needs_triton
+@pytest.mark.parametrize("dedup", [False, True])
+@pytest.mark.parametrize("tokens, shared, split", [(1, 0, 1), (3, 2, 1), (5, 1, 2), (4, 3, 1)])
+def test_pair_kernel_interpreter(interpreter, dedup, tokens, shared, split):
+    e, topk, n, k = 6, 3, 48, 128
+    w, s, s2 = _experts(e, n, k, seed=tokens)
+    ids = _ids(tokens, topk, e, seed=7 + tokens, shared=shared)
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    kw = dict(block_n=16, block_k=64, split_k=split)
+    up = tw.pair_w4a16(x, ids, w, s, s2, dedup=dedup, relu2=True, **kw)
+    ref_up = tw.pair_w4a16_reference(x, ids, w, s, s2, relu2=True)
+    assert up.shape == (tokens * topk, n) and up.dtype == torch.bfloat16
+    assert _rel(up, ref_up) <= 1e-2
+    assert bool((up >= 0).all())
+    # the down projection's form: one x row per pair
+    xp = torch.randn(tokens * topk, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    y = tw.pair_w4a16(xp, ids, w, s, s2, x_per_pair=True, dedup=dedup, **kw)
+    assert _rel(y, tw.pair_w4a16_reference(xp, ids, w, s, s2, x_per_pair=True)) <= 1e-2
+
+
+@needs_triton
+def test_dedup_keys_repeated_ids_within_a_token(interpreter):
+    # not top-k routing, but the key (expert, earlier occurrences in the token) keeps every
+    # pair's row: token 0 names expert 2 twice.
+    e, n, k = 4, 32, 64
+    w, s, s2 = _experts(e, n, k, seed=1)
+    ids = torch.tensor([[2, 2, 1], [1, 2, 0]])
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y = tw.pair_w4a16(x, ids, w, s, s2, x_per_pair=True, dedup=True, block_n=16, block_k=64)
+    assert _rel(y, tw.pair_w4a16_reference(x, ids, w, s, s2, x_per_pair=True)) <= 1e-2
+
+
+def test_pair_input_checks():
+    w, s, s2 = _experts(2, 16, 64, seed=0)
+    ids = torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="x has 3 rows, expected 2"):
+        tw.pair_w4a16(torch.zeros(3, 64, dtype=torch.bfloat16), ids, w, s, s2)
+    with pytest.raises(ValueError, match="one per pair"):
+        tw.pair_w4a16(torch.zeros(2, 64, dtype=torch.bfloat16), ids, w, s, s2, x_per_pair=True)
+    with pytest.raises(ValueError, match="dedup takes at most"):
+        tw.pair_w4a16(torch.zeros(17, 64, dtype=torch.bfloat16),
+                      torch.zeros(17, 1, dtype=torch.int64), w, s, s2, dedup=True)
+    with pytest.raises(ValueError, match="stacked"):
+        tw.pair_w4a16(torch.zeros(2, 64, dtype=torch.bfloat16), ids, w[0], s[0], s2[0])
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("n, k", [(1856, 2688), (2688, 1856)])
+@pytest.mark.parametrize("tokens, shared", [(1, 0), (4, 0), (6, 0), (6, 4), (10, 6)])
+def test_pair_kernel_gpu(n, k, tokens, shared):
+    e, topk = 128, 6
+    w, s, s2 = _experts(e, n, k, seed=n, device="cuda")
+    ids = _ids(tokens, topk, e, seed=tokens, device="cuda", shared=shared)
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    xp = torch.randn(tokens * topk, k, device="cuda", dtype=torch.bfloat16)
+    ref_up = tw.pair_w4a16_reference(x, ids, w, s, s2, relu2=True)
+    ref_dn = tw.pair_w4a16_reference(xp, ids, w, s, s2, x_per_pair=True)
+    for dedup in (False, True):
+        up = tw.pair_w4a16(x, ids, w, s, s2, relu2=True, dedup=dedup)
+        dn = tw.pair_w4a16(xp, ids, w, s, s2, x_per_pair=True, dedup=dedup)
+        assert _rel(up, ref_up) <= 1e-2 and _rel(dn, ref_dn) <= 1e-2
+    # split-K counters and the dedup leaders replay in a graph with new ids
+    graph, static_ids = torch.cuda.CUDAGraph(), ids.clone()
+    tw.pair_w4a16(xp, static_ids, w, s, s2, x_per_pair=True, dedup=True)
+    with torch.cuda.graph(graph):
+        out = tw.pair_w4a16(xp, static_ids, w, s, s2, x_per_pair=True, dedup=True)
+    for seed in (11, 12):
+        static_ids.copy_(_ids(tokens, topk, e, seed=seed, device="cuda", shared=shared))
+        graph.replay()
+        ref = tw.pair_w4a16_reference(xp, static_ids, w, s, s2, x_per_pair=True)
+        assert _rel(out, ref) <= 1e-2
+
+
+@needs_triton
+@pytest.mark.parametrize("split", [1, 2])
+def test_dense_relu2_epilogue_interpreter(interpreter, split):
+    w, s, s2 = (t[0] for t in _experts(1, 40, 128, seed=4))
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
+    y = tw.w4a16_linear(x, w, s, s2, relu2=True, block_n=16, block_k=64, split_k=split)
+    ref = torch.square(torch.relu(tw.w4a16_linear_reference(x, w, s, s2)))
+    assert _rel(y, ref) <= 1e-2 and bool((y >= 0).all())
+    with pytest.raises(ValueError, match="relu2"):
+        tw.w4a16_linear(x, w, s, s2, torch.zeros(40), relu2=True)
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("m", [1, 6])
+def test_dense_relu2_epilogue_gpu(m):
+    w, s, s2 = (t[0] for t in _experts(1, 3712, 2688, seed=5, device="cuda"))
+    x = torch.randn(m, 2688, device="cuda", dtype=torch.bfloat16)
+    ref = torch.square(torch.relu(tw.w4a16_linear(x, w, s, s2)))
+    assert torch.equal(tw.w4a16_linear(x, w, s, s2, relu2=True), ref)  # same kernel, + epilogue
