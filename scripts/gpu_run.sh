@@ -7,6 +7,7 @@
 #   simulate   lightning-mini with the published acceptance simulated
 #   full       full Nemotron 3.5 Lightning preset: bf16 and quantized, batch 1,4,16,64, transformers
 #   fullspec   full preset, own AR vs DFlash w6 tau 4.2 vs DSpark gamma 3 tau 3.7, batch 1,4,16,64
+#   fullspecq  fullspec in the Lightning quantization (W4A16 experts / shared / lm_head, FP8 Mamba)
 #   fullprof   full preset step profiles by phase and layer kind (AR bf16 / quantized, DFlash)
 #   longctx    full preset, batch 1 decode after a 1k and a 16k prompt
 set -uo pipefail
@@ -21,7 +22,8 @@ tests)
       tests/test_moe_grouped.py tests/test_kernels.py tests/test_markov_walk.py \
       tests/test_moe_pairs.py tests/test_moe_combine.py tests/test_rotary_kernel.py \
       tests/test_moe_routing.py tests/test_draft_kv.py tests/test_relu2.py tests/test_draft_head.py \
-      tests/test_w4a16_tuned.py tests/test_fp8_quant.py -q -p no:cacheprovider \
+      tests/test_w4a16_tuned.py tests/test_fp8_quant.py tests/test_pair_w4a16.py \
+      tests/test_router_gemv.py tests/test_triton_w4a16.py -q -p no:cacheprovider \
       -o addopts="" -rf 2>&1 | tail -60 > "$OUT/gpu_tests.log"; tail -15 "$OUT/gpu_tests.log"
   ;;
 profile)
@@ -65,6 +67,14 @@ full)
   ;;
 fullspec)
   F="$B --preset nemotron-3.5-lightning --batch-size 1,4,16,64 --output-len 128 --repeats 2"
+  timeout 150 $F 2>>"$OUT/stderr.log"
+  timeout 180 $F --random-draft dflash --speculative-num-draft-tokens 6 \
+      --simulate-accept-length 4.2 2>>"$OUT/stderr.log"
+  timeout 180 $F --random-draft dspark --speculative-num-draft-tokens 4 \
+      --simulate-accept-length 3.7 2>>"$OUT/stderr.log"
+  ;;
+fullspecq)
+  F="$B --preset nemotron-3.5-lightning --quantized --batch-size 1,4,16,64 --output-len 128 --repeats 2"
   timeout 150 $F 2>>"$OUT/stderr.log"
   timeout 180 $F --random-draft dflash --speculative-num-draft-tokens 6 \
       --simulate-accept-length 4.2 2>>"$OUT/stderr.log"

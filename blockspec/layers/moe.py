@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from blockspec.kernels import moe_routing
 from blockspec.kernels.moe_combine import moe_combine, moe_combine_reference
 from blockspec.kernels.moe_pairs import DEDUP_MAX_TOKENS, pair_gemv
 from blockspec.kernels.relu2 import relu2 as relu2_kernel, relu2_reference
+from blockspec.kernels.router_gemv import router_logits, router_logits_reference
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.models.nemotron_h_config import NemotronHConfig
@@ -68,10 +68,14 @@ class TopkRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert ids [T,k], weights [T,k] fp32): the router GEMM in torch, the rest
-        one fused kernel on CUDA (``route_reference`` elsewhere)."""
+        """Returns (expert ids [T,k], weights [T,k] fp32): on CUDA the router GEMV is one
+        kernel (``kernels/router_gemv.py``, x widened in registers) and the routing another;
+        elsewhere ``router_logits_reference`` and ``route_reference``."""
         w = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
-        logits = F.linear(x.float(), w)
+        if use_triton(x) and x.dim() == 2 and w.is_contiguous():
+            logits = router_logits(x, w)
+        else:
+            logits = router_logits_reference(x, w)
         args = (self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
                 self.norm_topk_prob, self.scale)
         if use_triton(logits):
