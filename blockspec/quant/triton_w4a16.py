@@ -1014,11 +1014,13 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     e = weight.shape[0]
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     ws2 = weight_scale_2.reshape(e).to(torch.float32)
-    ids32 = ids.to(torch.int32).contiguous()
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"pair_w4a16: ids must be int32 or int64, got {ids.dtype}")
+    ids = ids.contiguous()      # read in its own dtype: no conversion kernel per call
     variant = default_variant()
     variant = "v2" if variant == "v1" else variant     # (v1 has no pair mode)
     return _launch_v2(x2, weight.contiguous(), weight_scale.contiguous(), ws2, None, pairs, 16,
-                      n, k, x.dtype, variant, pairs={"ids": ids32, "x_per_pair": x_per_pair,
+                      n, k, x.dtype, variant, pairs={"ids": ids, "x_per_pair": x_per_pair,
                                                   "dedup": dedup}, relu2=relu2, **tile)
 
 
