@@ -48,3 +48,24 @@ def test_moe_combine_matches_reference(mode, tokens, topk, experts, hidden, dtyp
     w2 = w.clone()
     w2[:, 0] = 0
     assert not torch.allclose(moe_combine(y, order, w2, sh, dtype).float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_combine_sums_shared_parts(mode, dtype):
+    """The shared expert in S slices (the pair kernel's extra rows after the routed ones): the
+    slices are summed in fp32 and rounded before the add, as one shared row would be."""
+    g = torch.Generator().manual_seed(5)
+    tokens, topk, parts, hidden = 3, 2, 2, 96
+    rows = torch.randn(tokens * (topk + parts), hidden, generator=g).to(dtype).to(mode)
+    w = torch.rand(tokens, topk, generator=g).to(mode)
+    y, shared = rows[:tokens * topk], rows[tokens * topk:].view(tokens, parts, hidden)
+    got = moe_combine(y, None, w, shared, dtype)
+    want = moe_combine_reference(y, None, w, shared, dtype)
+    whole = moe_combine_reference(y, None, w, shared.float().sum(1).to(dtype), dtype)
+    assert torch.equal(want, whole)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2 ** -5)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    # the second slice counts
+    assert not torch.allclose(moe_combine(y, None, w, shared[:, :1], dtype).float(),
+                              want.float(), **tol)

@@ -38,8 +38,20 @@ def _compare(moe: MoE, device: str) -> None:
     got = moe.routed_pairs(few.to(torch.bfloat16), ids[:5], w[:5], sh.to(torch.bfloat16)).float()
     rel = (got - ref).abs().max() / ref.abs().max()
     assert rel < 1e-2, rel
-    # stacked buffers are views: the per-expert modules still see the same bytes
+    # the shared expert riding in the routed launches as its slices (the fixture's shared
+    # width is twice the routed one): the same sum as the module's own output added after
+    assert moe._shared_parts == 2
+    sh = moe.shared_experts(few.to(torch.bfloat16)).float()
+    ref = moe.routed_reference(few, ids[:5], w[:5], sh)
+    got = moe.routed_pairs(few.to(torch.bfloat16), ids[:5], w[:5], None, ride=True).float()
+    err = (got - ref).abs().max()
+    assert err / ref.abs().max() < 1e-2, err
+    # the shared part is in there: leaving it out moves the result well past that error
+    assert (got - moe.routed_reference(few, ids[:5], w[:5])).abs().max() > 4 * err
+    # stacked buffers are views: the per-expert modules (and the shared up projection) still
+    # see the same bytes
     assert moe.experts[1].up_proj.weight.data_ptr() == moe._grouped[0][0][1].data_ptr()
+    assert moe.shared_experts.up_proj.weight.data_ptr() == moe._grouped[0][0][4].data_ptr()
 
 
 def test_grouped_moe_interpreter(monkeypatch):

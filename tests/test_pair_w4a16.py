@@ -63,6 +63,29 @@ def test_pair_kernel_interpreter(interpreter, dedup, tokens, shared, split):
 
 
 @needs_triton
+@pytest.mark.parametrize("dedup, distinct", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_shared_parts_ride_in_the_launch_interpreter(interpreter, dedup, distinct, tokens):
+    """The stack's last S experts (the shared expert's slices) give every token S more rows,
+    for the up form (x per token) and the down form (x per output row)."""
+    e, shared, topk, n, k = 7, 2, 2, 32, 64
+    w, s, s2 = _experts(e, n, k, seed=3)
+    ids = _ids(tokens, topk, e - shared, seed=tokens + 20)     # routed ids only
+    x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(8)).bfloat16()
+    kw = dict(block_n=16, block_k=64, dedup=dedup, distinct=distinct, shared_parts=shared)
+    up = tw.pair_w4a16(x, ids, w, s, s2, relu2=True, **kw)
+    ref = tw.pair_w4a16_reference(x, ids, w, s, s2, relu2=True, shared_parts=shared)
+    assert up.shape == (tokens * (topk + shared), n) and _rel(up, ref) <= 1e-2
+    # shared rows are the pseudo-experts' own: token t's part s is row T*k + t*S + s
+    last = tw.pair_w4a16_reference(x[-1:], torch.full((1, 1), e - 1), w, s, s2, relu2=True)
+    assert _rel(up[-1:], last) <= 1e-2
+    xp = torch.randn(up.shape[0], k, generator=torch.Generator().manual_seed(9)).bfloat16()
+    y = tw.pair_w4a16(xp, ids, w, s, s2, x_per_pair=True, **kw)
+    ref = tw.pair_w4a16_reference(xp, ids, w, s, s2, x_per_pair=True, shared_parts=shared)
+    assert _rel(y, ref) <= 1e-2
+
+
+@needs_triton
 def test_dedup_keys_repeated_ids_within_a_token(interpreter):
     # not top-k routing, but the key (expert, earlier occurrences in the token) keeps every
     # pair's row: token 0 names expert 2 twice.
@@ -79,7 +102,7 @@ def test_pair_input_checks():
     ids = torch.zeros(2, 2, dtype=torch.int64)
     with pytest.raises(ValueError, match="x has 3 rows, expected 2"):
         tw.pair_w4a16(torch.zeros(3, 64, dtype=torch.bfloat16), ids, w, s, s2)
-    with pytest.raises(ValueError, match="one per pair"):
+    with pytest.raises(ValueError, match="one per output row"):
         tw.pair_w4a16(torch.zeros(2, 64, dtype=torch.bfloat16), ids, w, s, s2, x_per_pair=True)
     with pytest.raises(ValueError, match="dedup takes at most"):
         tw.pair_w4a16(torch.zeros(17, 64, dtype=torch.bfloat16),
@@ -105,6 +128,17 @@ def test_pair_kernel_gpu(n, k, tokens, shared):
         up = tw.pair_w4a16(x, ids, w, s, s2, relu2=True, dedup=dedup)
         dn = tw.pair_w4a16(xp, ids, w, s, s2, x_per_pair=True, dedup=dedup)
         assert _rel(up, ref_up) <= 1e-2 and _rel(dn, ref_dn) <= 1e-2
+    # the MoE's form: top-k ids (distinct) and the last 2 experts as the shared expert's slices
+    ids2 = _ids(tokens, topk, e - 2, seed=tokens + 5, device="cuda")
+    xs = torch.randn(tokens * (topk + 2), k, device="cuda", dtype=torch.bfloat16)
+    for dedup in (False, True):
+        kw = dict(dedup=dedup, distinct=True, shared_parts=2)
+        up = tw.pair_w4a16(x, ids2, w, s, s2, relu2=True, **kw)
+        dn = tw.pair_w4a16(xs, ids2, w, s, s2, x_per_pair=True, **kw)
+        assert _rel(up, tw.pair_w4a16_reference(x, ids2, w, s, s2, relu2=True,
+                                                 shared_parts=2)) <= 1e-2
+        assert _rel(dn, tw.pair_w4a16_reference(xs, ids2, w, s, s2, x_per_pair=True,
+                                                 shared_parts=2)) <= 1e-2
     # split-K counters and the dedup leaders replay in a graph with new ids
     graph, static_ids = torch.cuda.CUDAGraph(), ids.clone()
     tw.pair_w4a16(xp, static_ids, w, s, s2, x_per_pair=True, dedup=True)

@@ -119,6 +119,7 @@ class MoE(nn.Module):
             if cfg.n_shared_experts else None)
         self._grouped = None   # stacked packed experts, set by prepare_grouped()
         self._dense = None     # stacked dense experts (weight [E, N, K], bias [E, N] | None)
+        self._shared_parts = 0  # shared-expert slices at the end of the packed stacks
         self.latent = cfg.moe_latent_size is not None
         if self.latent:
             self.fc1_latent_proj = build_linear(f"{prefix}.fc1_latent_proj", cfg.hidden_size,
@@ -136,12 +137,55 @@ class MoE(nn.Module):
         ups = [e.up_proj for e in self.experts]
         downs = [e.down_proj for e in self.experts]
         if all(isinstance(m, NVFP4Linear) for m in ups + downs):
-            self._grouped = (stack_nvfp4_experts(ups), stack_nvfp4_experts(downs))
+            slices = self._shared_slices()
+            self._grouped = (stack_nvfp4_experts(ups, slices[0]),
+                             stack_nvfp4_experts(downs, slices[1]))
+            self._shared_parts = len(slices[0])
+            if self._shared_parts:      # the shared up projection reads its stacked rows
+                up, (w, s, _) = self.shared_experts.up_proj, self._grouped[0]
+                up.weight = w[len(ups):].reshape(up.weight.shape)
+                up.weight_scale = s[len(ups):].reshape(up.weight_scale.shape)
             return True
         if all(type(m) is Linear for m in ups + downs):
             self._dense = (_stack_dense(ups), _stack_dense(downs))
             return True
         return False
+
+    def _shared_slices(self) -> tuple[list, list]:
+        """The shared expert as S pseudo-experts of the routed shape, for the pair path to run
+        it in the routed experts' launches (([up slices], [down slices]) of (packed, scales,
+        global scale)), or empty lists where it does not fit: both projections NVFP4 without
+        bias, the intermediate size S x the routed one, the same input and output sizes. Up
+        slices are row blocks, down slices column blocks of the intermediate dimension, so
+        down(relu2(up(x))) is the sum of the S slices' outputs. The down slices are copies
+        (column blocks are not views): the grouped path still runs the whole module."""
+        from blockspec.quant.linear import NVFP4Linear
+
+        sh, routed = self.shared_experts, self.experts[0]
+        if sh is None or self.latent:
+            return [], []
+        up, down = sh.up_proj, sh.down_proj
+        r_up, r_down = routed.up_proj, routed.down_proj
+        inner = r_up.out_features
+        if not (isinstance(up, NVFP4Linear) and isinstance(down, NVFP4Linear)
+                and up.bias is None and down.bias is None and up.fmt == r_up.fmt
+                and down.fmt == r_down.fmt and up.out_features % inner == 0
+                and up.in_features == r_up.in_features
+                and down.out_features == r_down.out_features and inner % 16 == 0):
+            return [], []
+        parts = up.out_features // inner
+        ups = [(up.weight[i * inner:(i + 1) * inner], up.weight_scale[i * inner:(i + 1) * inner],
+                up.weight_scale_2) for i in range(parts)]
+        half, groups = inner // 2, inner // 16
+        downs = [(down.weight[:, i * half:(i + 1) * half],
+                  down.weight_scale[:, i * groups:(i + 1) * groups], down.weight_scale_2)
+                 for i in range(parts)]
+        return ups, downs
+
+    def _routed_stacks(self) -> tuple[tuple, tuple]:
+        """The packed stacks without the shared expert's slices (the grouped paths)."""
+        e = len(self.experts)
+        return tuple(tuple(t[:e] for t in stack) for stack in self._grouped)
 
     def graph_safe(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether ``routed`` avoids the reference loop (which reads expert counts back to the
@@ -162,7 +206,7 @@ class MoE(nn.Module):
         """All (token, expert) pairs sorted by expert through two grouped W4A16 GEMMs."""
         from blockspec.quant.triton_w4a16 import grouped_blocks, grouped_w4a16
 
-        (wu, su, s2u), (wd, sd, s2d) = self._grouped
+        (wu, su, s2u), (wd, sd, s2d) = self._routed_stacks()
         order, offsets = sort_by_expert(ids, len(self.experts))
         tok = order // ids.shape[1]
         x = h[tok]
@@ -172,11 +216,12 @@ class MoE(nn.Module):
         return combine(y, order, w, shared, h.dtype)
 
     def routed_pairs(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                     shared: torch.Tensor | None) -> torch.Tensor:
+                     shared: torch.Tensor | None, ride: bool = False) -> torch.Tensor:
         """Decode-sized batches: each (token, expert) pair through its expert's weights, in
-        pair order (no sort, no gather); see the module docstring. Over dense experts, several
-        tokens (a speculative verify) read each distinct expert once (``dedup``); one token's
-        experts are distinct already."""
+        pair order (no sort, no gather); see the module docstring. Several tokens (a
+        speculative verify) read each distinct expert once (``dedup``); one token's experts
+        are distinct already. ``ride`` (packed experts with ``_shared_parts``): the shared
+        expert runs as its slices inside the same two launches, ``shared`` unused."""
         if self._dense is not None:
             (wu, bu), (wd, bd) = self._dense
             dedup = 1 < ids.shape[0] <= DEDUP_MAX_TOKENS
@@ -187,8 +232,16 @@ class MoE(nn.Module):
 
             (wu, su, s2u), (wd, sd, s2d) = self._grouped
             dedup = 1 < ids.shape[0] <= PAIR_DEDUP_MAX_TOKENS
-            up = pair_w4a16(h, ids, wu, su, s2u, relu2=True, dedup=dedup)
-            y = pair_w4a16(up, ids, wd, sd, s2d, x_per_pair=True, dedup=dedup)
+            parts = self._shared_parts if ride else 0
+            if not parts:       # the stacks' shared slices stay out of the routed ids' way
+                (wu, su, s2u), (wd, sd, s2d) = self._routed_stacks()
+            # ids come from top-k routing: distinct within each token
+            kw = dict(dedup=dedup, distinct=True, shared_parts=parts)
+            up = pair_w4a16(h, ids, wu, su, s2u, relu2=True, **kw)
+            y = pair_w4a16(up, ids, wd, sd, s2d, x_per_pair=True, **kw)
+            if parts:
+                n = ids.numel()
+                return combine(y[:n], None, w, y[n:].view(ids.shape[0], parts, -1), h.dtype)
         return combine(y, None, w, shared, h.dtype)
 
     def routed_dense(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -236,11 +289,14 @@ class MoE(nn.Module):
         out = out.to(h.dtype)
         return out if shared is None else out + shared
 
+    def _pair_path(self, h: torch.Tensor, ids: torch.Tensor) -> bool:
+        return (ids.numel() <= PAIR_PATH_MAX_PAIRS and use_triton(h)
+                and (self._dense is not None or self._use_grouped(h)))
+
     def routed(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                shared: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' weighted sum in h's dtype, plus ``shared`` when given."""
-        if (ids.numel() <= PAIR_PATH_MAX_PAIRS and use_triton(h)
-                and (self._dense is not None or self._use_grouped(h))):
+        if self._pair_path(h, ids):
             return self.routed_pairs(h, ids, w, shared)
         if self._use_grouped(h):
             return self.routed_grouped(h, ids, w, shared)
@@ -253,6 +309,8 @@ class MoE(nn.Module):
         if self.latent:
             y = self.fc2_latent_proj(self.routed(self.fc1_latent_proj(x), ids, w))
             return y if self.shared_experts is None else y + self.shared_experts(x)
+        if self._shared_parts and self._dense is None and self._pair_path(x, ids):
+            return self.routed_pairs(x, ids, w, None, ride=True)   # shared expert rides along
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         return self.routed(x, ids, w, shared)
 

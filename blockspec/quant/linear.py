@@ -314,22 +314,26 @@ def make_quant_embedding(fmt: str, num_embeddings: int, dim: int,
     return QuantEmbedding(fmt, num_embeddings, dim, dtype, prefix)
 
 
-def stack_nvfp4_experts(modules: list[NVFP4Linear]
+def stack_nvfp4_experts(modules: list[NVFP4Linear],
+                        extra: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stack loaded per-expert NVFP4 Linears into ``[E, N, K/2]``, ``[E, N, K/16]``, ``[E]``.
 
     For ``grouped_w4a16``.  Each module's buffers are re-pointed to views of the stacked
     tensors, so the packed experts stay in memory once.  Call after loading and after moving
-    the model to its device (moving views one by one would copy them apart).
+    the model to its device (moving views one by one would copy them apart).  ``extra``:
+    (packed, scales, global scale) of pseudo-experts appended after the modules' (the shared
+    expert's slices, ``MoE.prepare_grouped``), copied in.
     """
     if not modules:
         raise ValueError("no expert modules to stack")
-    shapes = {(m.weight.shape, m.weight_scale.shape) for m in modules}
+    parts = [(m.weight, m.weight_scale, m.weight_scale_2) for m in modules] + list(extra)
+    shapes = {(w.shape, s.shape) for w, s, _ in parts}
     if len(shapes) != 1:
         raise ValueError(f"experts differ in shape: {sorted(shapes)}")
-    weight = torch.stack([m.weight for m in modules])
-    scale = torch.stack([m.weight_scale for m in modules])
-    scale2 = torch.stack([m.weight_scale_2.reshape(()) for m in modules])
+    weight = torch.stack([w for w, _, _ in parts])
+    scale = torch.stack([s for _, s, _ in parts])
+    scale2 = torch.stack([s2.reshape(()) for _, _, s2 in parts])
     for e, m in enumerate(modules):
         m.weight = weight[e]
         m.weight_scale = scale[e]

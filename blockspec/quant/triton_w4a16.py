@@ -217,43 +217,67 @@ def _kernels_v2(interpret: bool):
         EVEN_N: tl.constexpr, MASK_K: tl.constexpr, SCALE_WORDS: tl.constexpr,
         K_ITERS: tl.constexpr, PAIRS: tl.constexpr = 0, TOPK: tl.constexpr = 1,
         X_PER_PAIR: tl.constexpr = False, DEDUP: tl.constexpr = False,
-        RELU2: tl.constexpr = False,
+        RELU2: tl.constexpr = False, DISTINCT: tl.constexpr = False, SHARED: tl.constexpr = 0,
+        SHARED_BASE: tl.constexpr = 0,
     ):
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = tl.program_id(2)
         lanes = tl.arange(0, BLOCK_M)
         if PAIRS:  # block = (token, expert) pair p of ids [M tokens, TOPK] (blk_expert_ptr)
-            e32 = tl.load(blk_expert_ptr + pid_b)
-            expert = e32.to(tl.int64)
+            # With SHARED = S > 0 the stack ends in S pseudo-experts (from SHARED_BASE on: the
+            # shared expert's slices), which every token uses: output rows P + t * S + s after
+            # the P = M * TOPK routed pairs; blocks past P are theirs (one per row, or one per
+            # pseudo-expert for all tokens under DEDUP).
+            n_pairs = M * TOPK
+            pc = tl.minimum(pid_b, n_pairs - 1)
+            e32 = tl.load(blk_expert_ptr + pc)
             if DEDUP:
                 # Pairs are keyed by (expert, how often it came earlier in the same token: 0
-                # under top-k routing), so a key has at most one pair per token; lane t of
-                # the tile is token t's pair of p's key.  Only the key's first pair (the
-                # leader) runs: it reads the expert once for all its tokens' rows.
+                # under top-k routing, which DISTINCT promises), so a key has at most one pair
+                # per token; lane t of the tile is token t's pair of p's key.  Only the key's
+                # first pair (the leader) runs: it reads the expert once for all its tokens.
                 occ_p = pid_b * 0
-                for jj in tl.static_range(TOPK):
-                    same = tl.load(blk_expert_ptr + (pid_b // TOPK) * TOPK + jj) == e32
-                    occ_p += (same & (jj < pid_b % TOPK)).to(tl.int32)
+                if not DISTINCT:
+                    for jj in tl.static_range(TOPK):
+                        same = tl.load(blk_expert_ptr + (pc // TOPK) * TOPK + jj) == e32
+                        occ_p += (same & (jj < pc % TOPK)).to(tl.int32)
                 tm = lanes < M
                 first = tl.full([BLOCK_M], 1 << 30, tl.int32)
                 for jj in tl.static_range(TOPK):
                     col = tl.load(blk_expert_ptr + lanes * TOPK + jj, mask=tm, other=-1)
                     occ = lanes * 0
-                    for j2 in tl.static_range(jj):
-                        occ += (tl.load(blk_expert_ptr + lanes * TOPK + j2, mask=tm,
-                                        other=-1) == col).to(tl.int32)
-                    first = tl.where(tm & (col == e32) & (occ == occ_p), lanes * TOPK + jj,
-                                     first)
-                if tl.reduce(first, 0, _w4a16_min_fn) != pid_b:
+                    if not DISTINCT:
+                        for j2 in tl.static_range(jj):
+                            occ += (tl.load(blk_expert_ptr + lanes * TOPK + j2, mask=tm,
+                                            other=-1) == col).to(tl.int32)
+                    first = tl.where(tm & (col == e32) & (occ == occ_p) & (first == 1 << 30),
+                                     lanes * TOPK + jj, first)
+                lead = tl.reduce(first, 0, _w4a16_min_fn) == pid_b
+                if SHARED:
+                    lead = lead | (pid_b >= n_pairs)
+                if not lead:
                     return
                 rmask = first < (1 << 30)
                 out_rows = first
-                x_rows = first if X_PER_PAIR else lanes
+                if SHARED:
+                    is_sh = pid_b >= n_pairs
+                    e32 = tl.where(is_sh, SHARED_BASE + pid_b - n_pairs, e32)
+                    out_rows = tl.where(is_sh, n_pairs + lanes * SHARED + pid_b - n_pairs,
+                                        out_rows)
+                    rmask = tl.where(is_sh, tm, rmask)
+                x_rows = out_rows if X_PER_PAIR else lanes
             else:  # one row: lane 0 = the pair's own
                 rmask = lanes == 0
                 out_rows = pid_b + lanes * 0
                 x_rows = out_rows if X_PER_PAIR else out_rows // TOPK
+                if SHARED:
+                    is_sh = pid_b >= n_pairs
+                    q = tl.maximum(pid_b - n_pairs, 0)
+                    e32 = tl.where(is_sh, SHARED_BASE + q % SHARED, e32)
+                    if not X_PER_PAIR:
+                        x_rows = tl.where(is_sh, q // SHARED + lanes * 0, x_rows)
+            expert = e32.to(tl.int64)
         elif GROUPED:  # row-block table (issued together: one round trip before the weights)
             row0 = tl.load(blk_row0_ptr + pid_b)
             row1 = tl.load(blk_row1_ptr + pid_b)
@@ -768,7 +792,7 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         x = x.clone()
     if weight.data_ptr() % 2:
         weight = weight.clone()
-    rows = x.shape[0] if pairs is None else num_blocks
+    rows = x.shape[0] if pairs is None else pairs["rows"]
     out = torch.empty((rows, n), dtype=torch.float32 if interpret else out_dtype,
                       device=x.device)
     num_tiles = num_blocks * tiles_n
@@ -791,7 +815,8 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         ids = pairs["ids"]
         tables, m_arg = (ids.reshape(-1),) * 3, ids.shape[0]
         extra.update(PAIRS=1, TOPK=ids.shape[1], X_PER_PAIR=pairs["x_per_pair"],
-                     DEDUP=pairs["dedup"])
+                     DEDUP=pairs["dedup"], DISTINCT=pairs["distinct"], SHARED=pairs["shared"],
+                     SHARED_BASE=w3.shape[0] - pairs["shared"])
     else:
         m_arg = rows
     kernel[(num_blocks, tiles_n, split)](
@@ -984,57 +1009,75 @@ PAIR_DEDUP_MAX_TOKENS = 16
 def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, *,
                x_per_pair: bool = False, dedup: bool = False, relu2: bool = False,
+               distinct: bool = False, shared_parts: int = 0,
                **tile: int | None) -> torch.Tensor:
     """MoE at decode sizes, one launch: pair p = (token p // k, expert ``ids.flat[p]``) ->
-    row p of the ``[T*k, N]`` result in x's dtype (``x`` [T, K], or [T*k, K] with
-    ``x_per_pair``). Stacked weights as in ``grouped_w4a16``; no sort, gather or row-block
-    table (the kernel reads ``ids``). ``dedup`` (at most ``PAIR_DEDUP_MAX_TOKENS`` tokens):
-    the pairs of one expert share a program, which decodes the expert's weights once and
-    multiplies them by all its tokens' rows in one MMA tile (a speculative verify's tokens
-    often share experts; decoding, not only reading, is what a W4A16 call pays for).
-    ``relu2`` applies relu(.)^2 to the rounded result (the expert's up projection). ``tile``:
-    the tile keywords of ``w4a16_linear``."""
+    row p of the ``[T*k, N]`` result in x's dtype (``x`` [T, K], or one row per output row
+    with ``x_per_pair``). Stacked weights as in ``grouped_w4a16``; no sort, gather or
+    row-block table (the kernel reads ``ids``). ``dedup`` (at most ``PAIR_DEDUP_MAX_TOKENS``
+    tokens): the pairs of one expert share a program, which decodes the expert's weights once
+    and multiplies them by all its tokens' rows in one MMA tile (a speculative verify's tokens
+    often share experts; decoding, not only reading, is what a W4A16 call pays for);
+    ``distinct`` promises no token names an expert twice (top-k routing), which skips the
+    kernel's repeat count. ``relu2`` applies relu(.)^2 to the rounded result (an expert's up
+    projection).
+
+    ``shared_parts`` = S > 0: the stack's last S experts are slices of the shared expert,
+    which every token uses without being routed to them: the result gets S more rows per
+    token after the routed ones (row T*k + t*S + s), in the same launch. ``tile``: the tile
+    keywords of ``w4a16_linear``."""
     n, k = _check(x, weight, weight_scale)
     if weight.dim() != 3:
         raise ValueError(f"pair_w4a16: weight must be stacked [E, N, K/2], got "
                          f"{tuple(weight.shape)}")
     if ids.dim() != 2:
         raise ValueError(f"pair_w4a16: ids must be [tokens, k], got {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"pair_w4a16: ids must be int32 or int64, got {ids.dtype}")
+    e = weight.shape[0]
+    if not 0 <= shared_parts < e:
+        raise ValueError(f"pair_w4a16: shared_parts={shared_parts} does not fit {e} experts")
     tokens, topk = ids.shape
     pairs = tokens * topk
-    want = pairs if x_per_pair else tokens
+    rows = pairs + tokens * shared_parts
+    want = rows if x_per_pair else tokens
     if x.shape[0] != want:
         raise ValueError(f"pair_w4a16: x has {x.shape[0]} rows, expected {want} "
-                         f"({'one per pair' if x_per_pair else 'one per token'})")
+                         f"({'one per output row' if x_per_pair else 'one per token'})")
     if dedup and tokens > PAIR_DEDUP_MAX_TOKENS:
         raise ValueError(f"pair_w4a16: dedup takes at most {PAIR_DEDUP_MAX_TOKENS} tokens, "
                          f"got {tokens}")
     if pairs == 0:
-        return x.new_empty((0, n))
-    e = weight.shape[0]
+        return x.new_empty((rows, n))
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     ws2 = weight_scale_2.reshape(e).to(torch.float32)
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"pair_w4a16: ids must be int32 or int64, got {ids.dtype}")
     ids = ids.contiguous()      # read in its own dtype: no conversion kernel per call
+    blocks = pairs + (shared_parts if dedup else tokens * shared_parts)
     variant = default_variant()
     variant = "v2" if variant == "v1" else variant     # (v1 has no pair mode)
-    return _launch_v2(x2, weight.contiguous(), weight_scale.contiguous(), ws2, None, pairs, 16,
-                      n, k, x.dtype, variant, pairs={"ids": ids, "x_per_pair": x_per_pair,
-                                                  "dedup": dedup}, relu2=relu2, **tile)
+    return _launch_v2(x2, weight.contiguous(), weight_scale.contiguous(), ws2, None, blocks, 16,
+                      n, k, x.dtype, variant, relu2=relu2, **tile,
+                      pairs={"ids": ids, "x_per_pair": x_per_pair, "dedup": dedup,
+                             "distinct": distinct, "shared": shared_parts, "rows": rows})
 
 
 def pair_w4a16_reference(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                          weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, *,
-                         x_per_pair: bool = False, relu2: bool = False) -> torch.Tensor:
-    """Pure torch ``pair_w4a16``: each pair's row through its exactly dequantized expert."""
-    flat = ids.reshape(-1).tolist()
-    rows = x if x_per_pair else x.repeat_interleave(ids.shape[1], dim=0)
+                         x_per_pair: bool = False, relu2: bool = False,
+                         shared_parts: int = 0) -> torch.Tensor:
+    """Pure torch ``pair_w4a16``: each output row through its exactly dequantized expert."""
+    tokens, topk = ids.shape
+    e = weight.shape[0]
+    experts = ids.reshape(-1).tolist() + [e - shared_parts + s for _ in range(tokens)
+                                          for s in range(shared_parts)]
+    token_of = [p // topk for p in range(tokens * topk)] + [t for t in range(tokens)
+                                                           for _ in range(shared_parts)]
     out = []
-    for p, ex in enumerate(flat):
+    for r, ex in enumerate(experts):
         w = dequantize_nvfp4(weight[ex], weight_scale[ex], weight_scale_2.reshape(-1)[ex],
                              dtype=x.dtype)
-        out.append(F.linear(rows[p:p + 1], w))
+        row = r if x_per_pair else token_of[r]
+        out.append(F.linear(x[row:row + 1], w))
     y = torch.cat(out) if out else x.new_empty((0, weight.shape[-2]))
     return torch.square(F.relu(y)) if relu2 else y
 
