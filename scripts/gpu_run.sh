@@ -18,7 +18,7 @@ for stage in "$@"; do
 case "$stage" in
 tests)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-  timeout 240 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_engine.py \
+  timeout 330 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_engine.py \
       tests/test_moe_grouped.py tests/test_kernels.py tests/test_markov_walk.py \
       tests/test_moe_pairs.py tests/test_moe_combine.py tests/test_rotary_kernel.py \
       tests/test_moe_routing.py tests/test_draft_kv.py tests/test_relu2.py tests/test_draft_head.py \
@@ -65,16 +65,9 @@ full)
       --batch-size 1 2>>"$OUT/stderr.log"
   timeout 45 $B --preset lightning-mini --batch-size 1 2>>"$OUT/stderr.log"
   ;;
-fullspec)
-  F="$B --preset nemotron-3.5-lightning --batch-size 1,4,16,64 --output-len 128 --repeats 2"
-  timeout 150 $F 2>>"$OUT/stderr.log"
-  timeout 180 $F --random-draft dflash --speculative-num-draft-tokens 6 \
-      --simulate-accept-length 4.2 2>>"$OUT/stderr.log"
-  timeout 180 $F --random-draft dspark --speculative-num-draft-tokens 4 \
-      --simulate-accept-length 3.7 2>>"$OUT/stderr.log"
-  ;;
-fullspecq)
-  F="$B --preset nemotron-3.5-lightning --quantized --batch-size 1,4,16,64 --output-len 128 --repeats 2"
+fullspec|fullspecq)
+  Q=""; [ "$stage" = fullspecq ] && Q="--quantized"
+  F="$B --preset nemotron-3.5-lightning $Q --batch-size 1,4,16,64 --output-len 128 --repeats 2"
   timeout 150 $F 2>>"$OUT/stderr.log"
   timeout 180 $F --random-draft dflash --speculative-num-draft-tokens 6 \
       --simulate-accept-length 4.2 2>>"$OUT/stderr.log"
