@@ -147,6 +147,21 @@ def test_grouped_v2_interpreter(interpreter, variant):
         assert _rel(y, ref) <= 1e-2
 
 
+@needs_triton
+def test_grouped_offsets_cover_the_first_experts_of_a_longer_stack(interpreter):
+    """The MoE's stacks end in the shared expert's slices: offsets over the routed experts
+    alone run against the first experts of the stack, as against a stack of those alone."""
+    w, s, s2 = _weights(32, 64, seed=13, experts=6)
+    counts = [2, 0, 5, 1]
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist())
+    x = torch.randn(sum(counts), 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    got = tw.grouped_w4a16(x, offsets, w, s, s2, variant="v2", block_k=64, block_n=16)
+    ref = tw.grouped_w4a16_reference(x, offsets, w[:4], s[:4], s2[:4])
+    assert _rel(got, ref) <= 1e-2
+    with pytest.raises(ValueError, match="2 to E\\+1=7 entries"):
+        tw.grouped_w4a16(x, torch.zeros(8, dtype=torch.int64), w, s, s2)
+
+
 def test_variant_selection(monkeypatch):
     monkeypatch.delenv(tw.VARIANT_ENV, raising=False)
     assert tw.default_variant() == "v2"          # picked by the H200 run (docs/benchmarks.md)

@@ -182,11 +182,6 @@ class MoE(nn.Module):
                  for i in range(parts)]
         return ups, downs
 
-    def _routed_stacks(self) -> tuple[tuple, tuple]:
-        """The packed stacks without the shared expert's slices (the grouped paths)."""
-        e = len(self.experts)
-        return tuple(tuple(t[:e] for t in stack) for stack in self._grouped)
-
     def graph_safe(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether ``routed`` avoids the reference loop (which reads expert counts back to the
         host and so cannot run inside a CUDA graph) for activations of ``dtype`` on ``device``."""
@@ -206,7 +201,7 @@ class MoE(nn.Module):
         """All (token, expert) pairs sorted by expert through two grouped W4A16 GEMMs."""
         from blockspec.quant.triton_w4a16 import grouped_blocks, grouped_w4a16
 
-        (wu, su, s2u), (wd, sd, s2d) = self._routed_stacks()
+        (wu, su, s2u), (wd, sd, s2d) = self._grouped     # offsets skip the shared slices
         order, offsets = sort_by_expert(ids, len(self.experts))
         tok = order // ids.shape[1]
         x = h[tok]
@@ -233,8 +228,6 @@ class MoE(nn.Module):
             (wu, su, s2u), (wd, sd, s2d) = self._grouped
             dedup = 1 < ids.shape[0] <= PAIR_DEDUP_MAX_TOKENS
             parts = self._shared_parts if ride else 0
-            if not parts:       # the stacks' shared slices stay out of the routed ids' way
-                (wu, su, s2u), (wd, sd, s2d) = self._routed_stacks()
             # ids come from top-k routing: distinct within each token
             kw = dict(dedup=dedup, distinct=True, shared_parts=parts)
             up = pair_w4a16(h, ids, wu, su, s2u, relu2=True, **kw)
@@ -309,7 +302,7 @@ class MoE(nn.Module):
         if self.latent:
             y = self.fc2_latent_proj(self.routed(self.fc1_latent_proj(x), ids, w))
             return y if self.shared_experts is None else y + self.shared_experts(x)
-        if self._shared_parts and self._dense is None and self._pair_path(x, ids):
+        if self._shared_parts and self._pair_path(x, ids):
             return self.routed_pairs(x, ids, w, None, ride=True)   # shared expert rides along
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         return self.routed(x, ids, w, shared)

@@ -960,7 +960,7 @@ def expert_blocks(expert_offsets: torch.Tensor, rows: int, block_m: int
     return ex.to(torch.int32), row0.to(torch.int32), row1.to(torch.int32), upper
 
 
-def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor | None, weight: torch.Tensor,
+def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor,
                   weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, *,
                   blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None,
                   variant: str | None = None, block_n: int | None = None,
@@ -970,20 +970,19 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor | None, weight: 
     """MoE: ``x[T, K]`` sorted by expert; rows ``offsets[e]:offsets[e+1]`` use expert e.
 
     ``weight`` [E, N, K/2] uint8, ``weight_scale`` [E, N, K/16] E4M3, ``weight_scale_2`` [E]
-    fp32.  Returns ``[T, N]`` in x's dtype.  ``blocks`` (from ``grouped_blocks``) lets the up
-    and down projections of one MoE layer share the row-block table; with ``blocks`` the
-    offsets may be None (any table whose blocks stay within one expert works, e.g. one block
-    per row).  ``variant`` and the tile
-    keywords are as in ``w4a16_linear``.
+    fp32.  Returns ``[T, N]`` in x's dtype.  The offsets may cover only the stack's first
+    experts (the MoE's stacks end in the shared expert's slices, which only the pair path
+    reads).  ``blocks`` (from ``grouped_blocks``) lets the up and down projections of one MoE
+    layer share the row-block table.  ``variant`` and the tile keywords are as in
+    ``w4a16_linear``.
     """
     n, k = _check(x, weight, weight_scale)
     if weight.dim() != 3:
         raise ValueError(f"grouped weights must be [E, N, K/2], got {tuple(weight.shape)}")
     e = weight.shape[0]
-    if expert_offsets is None and blocks is None:
-        raise ValueError("grouped_w4a16 needs expert_offsets or a row-block table (blocks=)")
-    if expert_offsets is not None and expert_offsets.numel() != e + 1:
-        raise ValueError(f"expert_offsets needs E+1={e + 1} entries, got {expert_offsets.numel()}")
+    if not 2 <= expert_offsets.numel() <= e + 1:
+        raise ValueError(f"expert_offsets needs 2 to E+1={e + 1} entries (one more than the "
+                         f"experts it covers), got {expert_offsets.numel()}")
     t = x.shape[0]
     if t == 0:
         return x.new_empty((0, n))

@@ -23,7 +23,7 @@ log = logging.getLogger("blockspec")
 
 def _source_weight(draft: nn.Module, target: nn.Module) -> torch.Tensor | None:
     """The dense [V, H] weight the draft scores with today, or None if it is not dense."""
-    head = draft.lm_head if getattr(draft, "lm_head", None) is not None else None
+    head = getattr(draft, "lm_head", None)
     if head is None:
         if getattr(target, "tied_head", False):
             return target.backbone.embeddings.weight
