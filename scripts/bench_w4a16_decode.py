@@ -56,15 +56,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from blockspec.quant import triton_w4a16 as tw  # noqa: E402
 
 EXPERTS, TOP_K, BLOCK_M = 128, 6, 16   # Lightning's routing; pair_w4a16's rows per block
+SHARED_PARTS = 2                       # the shared expert (3712 = 2 x 1856) rides as 2 slices
 TOL = 1e-2
 H200_SMS = 132                         # --plan without a GPU plans for an H200
 # The grid.  split_k None ("auto", ``_pick_split_k``) is resolved to the split it launches, so
 # it adds no point of its own; the points whose split is auto's choice are marked auto_split.
 AXES = {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256), "k_slices": (1, 2, 4),
         "split_k": (None, 1, 2, 4, 8, 16), "num_warps": (1, 2, 4, 8),
-        "num_stages": (2, 3, 4, 5)}
+        "num_stages": (2, 3, 4, 5), "maxnreg": (None, 128, 96)}
 QUICK_AXES = {"block_n": (32, 64), "block_k": (128,), "k_slices": (1,),
-              "split_k": (None, 1, 2, 4), "num_warps": (4,), "num_stages": (3,)}
+              "split_k": (None, 1, 2, 4), "num_warps": (4,), "num_stages": (3,),
+              "maxnreg": (None,)}
 # Pruning bounds ("obviously" bad, not rejected by the launcher):
 MAX_WEIGHTS_PER_THREAD = 256   # weights per thread and K step: 512 spills registers on sm_90
                                # in every tile tried (ptxas), 256 only in some
@@ -86,6 +88,7 @@ class Problem:
     m: int
     experts: int = 0
     repeat_x: bool = False    # grouped up: x is one row per token (not per pair)
+    shared: int = 0           # grouped: the shared expert's slices riding in the launch (MoE)
 
     @property
     def grouped(self) -> bool:
@@ -93,7 +96,17 @@ class Problem:
 
     @property
     def blocks(self) -> int:
-        return self.m if self.grouped else -(-self.m // BLOCK_M)
+        """Blocks of the launch: dense row blocks; grouped, one per pair plus the shared
+        slices' (one each under dedup, else one per token and slice), as pair_w4a16 counts."""
+        if not self.grouped:
+            return -(-self.m // BLOCK_M)
+        tokens = self.m // TOP_K
+        return self.m + self.shared * (1 if self.dedup else tokens)
+
+    @property
+    def dedup(self) -> bool:
+        """pair_w4a16's dedup, chosen as MoE.routed_pairs chooses it."""
+        return self.grouped and 1 < self.m // TOP_K <= tw.PAIR_DEDUP_MAX_TOKENS
 
     @property
     def key(self) -> str:
@@ -113,7 +126,7 @@ def decode_problems() -> list[Problem]:
     out = []
     for proj, (n, k) in (("expert_up", (1856, 2688)), ("expert_down", (2688, 1856))):
         out += [Problem(f"{proj}/pairs={t * TOP_K}", "grouped", n, k, t * TOP_K, EXPERTS,
-                        repeat_x=proj == "expert_up") for t in (1, 4, 6)]
+                        repeat_x=proj == "expert_up", shared=SHARED_PARTS) for t in (1, 4, 6)]
     for proj, (n, k) in (("shared_up", (3712, 2688)), ("shared_down", (2688, 3712))):
         out += [Problem(f"{proj}/M={m}", "dense", n, k, m) for m in (1, 4, 6)]
     out += [Problem(f"lm_head/M={m}", "dense", 131072, 2688, m) for m in (1, 4)]
@@ -147,9 +160,9 @@ class Built:
         p = self.problem
         if p.grouped:
             x, ids, w, s, s2 = self.variants[variant]
-            dedup = 1 < ids.shape[0] <= tw.PAIR_DEDUP_MAX_TOKENS    # as MoE.routed_pairs
             return lambda: tw.pair_w4a16(x, ids, w, s, s2, x_per_pair=not p.repeat_x,
-                                         dedup=dedup, **cfg)
+                                         dedup=p.dedup, distinct=True, shared_parts=p.shared,
+                                         **cfg)
         x, w, s, s2 = self.variants[variant]
         return lambda: tw.w4a16_linear(x, w, s, s2, variant="v2", **cfg)
 
@@ -190,21 +203,23 @@ def build(problem: Problem, device: torch.device | str, variants: int = 1, seed:
     tokens = p.m // TOP_K if p.grouped else p.m
     h = torch.randn(tokens, p.k, generator=gen, device=dev).bfloat16()
     if p.grouped:
-        key = ("grouped", p.n, p.k, p.experts, str(dev))
+        key = ("grouped", p.n, p.k, p.experts + p.shared, str(dev))
         if key not in _WEIGHTS:
-            _WEIGHTS[key] = random_nvfp4((p.experts, p.n, p.k), gen, dev)
+            _WEIGHTS[key] = random_nvfp4((p.experts + p.shared, p.n, p.k), gen, dev)
         w, s, s2 = _WEIGHTS[key]
-        x = h if p.repeat_x else torch.randn(p.m, p.k, generator=gen, device=dev).bfloat16()
+        rows = p.m + tokens * p.shared
+        x = h if p.repeat_x else torch.randn(rows, p.k, generator=gen, device=dev).bfloat16()
         out, moved = [], []
         for _ in range(variants):
             ids = torch.stack([torch.randperm(p.experts, generator=gen, device=dev)[:TOP_K]
                                for _ in range(tokens)])
             out.append((x, ids, w, s, s2))
-            moved.append(len(set(ids.reshape(-1).tolist())) * p.weight_bytes)
-        built = Built(p, out, sum(moved) / len(moved) + x.numel() * 2 + p.m * p.n * 2)
+            moved.append((len(set(ids.reshape(-1).tolist())) + p.shared) * p.weight_bytes)
+        built = Built(p, out, sum(moved) / len(moved) + x.numel() * 2 + rows * p.n * 2)
         if reference:
             built.ref = tw.pair_w4a16_reference(x, out[0][1], w, s, s2,
-                                                x_per_pair=not p.repeat_x)
+                                                x_per_pair=not p.repeat_x,
+                                                shared_parts=p.shared)
         return built
     out = []
     for i in range(variants):
@@ -283,10 +298,11 @@ def plan_configs(problem: Problem, sms: int, axes: dict = AXES) -> tuple[list[di
             if eff > 1 and tiles_of[bn] * eff > MAX_CTAS_PER_SM * sms:
                 dropped["CTAs per SM"] += 1
                 continue
-            cfg = {"block_n": bn, "block_k": bk, "k_slices": sl, "split_k": eff,
-                   "num_warps": warps, "num_stages": stages}
-            seen.add(tuple(cfg.values()))
-            configs.append({**cfg, "auto_split": eff == auto, "builtin": cfg == default})
+            for reg in axes.get("maxnreg", (None,)):
+                cfg = {"block_n": bn, "block_k": bk, "k_slices": sl, "split_k": eff,
+                       "num_warps": warps, "num_stages": stages, "maxnreg": reg}
+                seen.add(tuple(cfg.values()))
+                configs.append({**cfg, "auto_split": eff == auto, "builtin": cfg == default})
     if tuple(default.values()) not in seen:  # (same key order: launch_config's)
         configs.append({**default, "auto_split": True, "builtin": True})
     return configs, dropped
@@ -438,7 +454,7 @@ def first_stage(points: list[dict], warps: int, stages: int = 3) -> list[int]:
 
     def dist(p: dict) -> tuple:
         return (abs(math.log2(p["num_warps"] / warps)), abs(p["num_stages"] - stages),
-                p["num_warps"], p["num_stages"])
+                p.get("maxnreg") is not None, p["num_warps"], p["num_stages"])
 
     for i, p in enumerate(points):
         j = pick.get(tile_of(p))
@@ -562,8 +578,9 @@ _ABOUT = ("Tuned launch configs of the W4A16 v2 kernel per problem class (keys: 
 
 # ------------------------------------------------------------------------------- reporting
 def _cfg_text(r: dict) -> str:
+    reg = f" r{r['maxnreg']}" if r.get("maxnreg") else ""
     return (f"n{r['block_n']} k{r['block_k']}x{r['k_slices']} split{r['split_k']} "
-            f"w{r['num_warps']} st{r['num_stages']}")
+            f"w{r['num_warps']} st{r['num_stages']}{reg}")
 
 
 def _line(res: Result) -> str:

@@ -105,10 +105,10 @@ def test_builtin_defaults_unchanged():
     """The table aside, the defaults are the pre-table ones (block_m decides the tile)."""
     assert tw.v2_default_config(1856, 2688, 1, tuned=False) == {
         "block_m": 16, "block_n": 64, "block_k": 128, "k_slices": 1, "swap": False,
-        "num_warps": 4, "num_stages": 3, "split_k": None}
+        "num_warps": 4, "num_stages": 3, "split_k": None, "maxnreg": None}
     assert tw.v2_default_config(131072, 2688, 64, tuned=False) == {
         "block_m": 64, "block_n": 256, "block_k": 64, "k_slices": 1, "swap": True,
-        "num_warps": 8, "num_stages": 3, "split_k": None}
+        "num_warps": 8, "num_stages": 3, "split_k": None, "maxnreg": None}
     # a dense call whose caller fixed block_m=16 at 64 rows keeps the M <= 16 tile
     assert tw.v2_default_config(131072, 2688, 64, block_m=16, tuned=False)["block_n"] == 128
 
@@ -122,6 +122,8 @@ def test_builtin_defaults_unchanged():
     ({"dense N=64 K=128 rows=1": {"num_stages": "3"}}, "positive integer"),
     ({"dense N=64 K=128 rows=1": {"num_warps": True}}, "positive integer"),
     ({"dense N=64 K=128 rows=1": {"num_warps": 3}}, "num_warps"),
+    ({"dense N=64 K=128 rows=1": {"maxnreg": 300}}, "maxnreg"),
+    ({"dense N=64 K=128 rows=1": {"maxnreg": 0}}, "positive integer"),
     ({"dense N=64 K=128 rows=1": [32, 128]}, "expected an object"),
     ({"dense N=64 K=128 rows=3": {"block_n": 32}}, "not one of the buckets"),
     ({"dense N=64 K=128 rows=1-4": {"block_n": 32}}, "not one of the buckets"),

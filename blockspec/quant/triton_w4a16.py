@@ -619,7 +619,7 @@ def _builtin_v2_config(n: int, k: int, m: int) -> dict:
     cfg = {"block_m": 16 if m <= 16 else (32 if m <= 32 or not wide else 64),
            "block_n": 128 if wide else 64, "block_k": 128 if k % 128 == 0 else 64,
            "k_slices": 1, "swap": m > 16, "num_warps": 2 if wide else 4, "num_stages": 3,
-           "split_k": None}
+           "split_k": None, "maxnreg": None}
     if m > 16 and wide:
         cfg.update(block_n=256, block_k=64, num_warps=8)
     return cfg
@@ -631,7 +631,7 @@ def _builtin_v2_config(n: int, k: int, m: int) -> dict:
 # so an H200 sweep (scripts/bench_w4a16_decode.py --write-table) stores one per class here.
 TUNED_PATH = Path(__file__).with_name("w4a16_tuned.json")
 TUNED_ENV = "BLOCKSPEC_W4A16_TUNED"  # another table's path, or "none" for built-ins only
-TUNED_KEYS = ("block_n", "block_k", "k_slices", "split_k", "num_warps", "num_stages")
+TUNED_KEYS = ("block_n", "block_k", "k_slices", "split_k", "num_warps", "num_stages", "maxnreg")
 # Upper edges of the row buckets (dense: rows of x) and of the block-count buckets (grouped:
 # row blocks in the table, one per (token, expert) pair at decode); doubling past the last.
 ROW_EDGES = (1, 4, 8, 16, 32, 64)
@@ -681,10 +681,13 @@ def _check_entry(cfg: object) -> dict:
     if unknown:
         raise ValueError(f"unknown option(s) {unknown}; allowed: {TUNED_KEYS}")
     for name, value in cfg.items():
-        if value is None and name == "split_k":  # auto
+        if value is None and name in ("split_k", "maxnreg"):  # auto / the compiler's choice
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if cfg.get("maxnreg") is not None and not 24 <= cfg["maxnreg"] <= 255:
+        raise ValueError(f"maxnreg must be in [24, 255] (registers per thread), got "
+                         f"{cfg['maxnreg']}")
     warps = cfg.get("num_warps", 4)
     if warps & (warps - 1) or warps > 32:
         raise ValueError(f"num_warps must be a power of two <= 32, got {warps}")
@@ -757,7 +760,8 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                block_n: int | None = None, block_k: int | None = None,
                k_slices: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
-               pairs: dict | None = None, relu2: bool = False) -> torch.Tensor:
+               maxnreg: int | None = None, pairs: dict | None = None,
+               relu2: bool = False) -> torch.Tensor:
     """``tables``: (expert, row0, row1) per row block for the grouped GEMM, None for dense.
     ``pairs`` (``pair_w4a16``): ``ids`` [tokens, topk], ``x_per_pair``, ``dedup``; one block
     per pair, ``num_blocks`` = pairs, ``out`` has a row per pair. ``relu2``: relu(.)^2 of
@@ -811,6 +815,8 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         decode = _DEC_TRITON if variant == "v2t" else _DEC_ASM
         extra = {"num_warps": num_warps or cfg["num_warps"],
                  "num_stages": num_stages or cfg["num_stages"]}
+        if (maxnreg or cfg["maxnreg"]) is not None:  # a register cap buys CTAs per SM
+            extra["maxnreg"] = maxnreg or cfg["maxnreg"]
     if pairs is not None:
         ids = pairs["ids"]
         tables, m_arg = (ids.reshape(-1),) * 3, ids.shape[0]
@@ -850,8 +856,9 @@ def _variant(variant: str | None, cfg: dict) -> str:
     variant = variant or default_variant()
     if variant not in VARIANTS:
         raise ValueError(f"unknown W4A16 variant {variant!r}: expected one of {VARIANTS}")
-    if variant == "v1" and any(cfg.get(key) not in (None, 1) for key in ("k_slices", "block_m")):
-        raise ValueError("k_slices and block_m are v2 options")
+    if variant == "v1" and any(cfg.get(key) not in (None, 1)
+                               for key in ("k_slices", "block_m", "maxnreg")):
+        raise ValueError("k_slices, block_m and maxnreg are v2 options")
     return variant
 
 
@@ -887,11 +894,12 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                  block_n: int | None = None, block_k: int | None = None,
                  k_slices: int | None = None, split_k: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 relu2: bool = False) -> torch.Tensor:
+                 maxnreg: int | None = None, relu2: bool = False) -> torch.Tensor:
     """``x[..., K] @ dequant(W)^T (+ bias)`` -> ``[..., N]`` in x's dtype, via the Triton kernel.
 
     ``variant``: one of ``VARIANTS`` (default: ``default_variant()``); the other keywords
-    override the tile configuration (``block_m`` and ``k_slices`` are v2 only). ``relu2``:
+    override the tile configuration (``block_m``, ``k_slices`` and ``maxnreg``, a register cap
+    per thread, are v2 only). ``relu2``:
     relu(.)^2 of the rounded result in the v2 kernel's epilogue (an expert's up projection;
     not with a bias, which is added after the kernel).
     """
@@ -908,7 +916,7 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         return x.new_empty((*lead, n))
     cfg = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": num_warps,
            "num_stages": num_stages}
-    variant = _variant(variant, {"block_m": block_m, "k_slices": k_slices})
+    variant = _variant(variant, {"block_m": block_m, "k_slices": k_slices, "maxnreg": maxnreg})
     ws2 = weight_scale_2.reshape(1).to(torch.float32)
     w, s = weight.contiguous(), weight_scale.contiguous()
     if variant == "v1":
@@ -920,7 +928,7 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     else:
         block_m = block_m or _builtin_v2_config(n, k, m)["block_m"]  # (not a tuned key)
         y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype,
-                       variant, k_slices=k_slices, relu2=relu2, **cfg)
+                       variant, k_slices=k_slices, maxnreg=maxnreg, relu2=relu2, **cfg)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, n)
@@ -966,7 +974,7 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
                   variant: str | None = None, block_n: int | None = None,
                   block_k: int | None = None, k_slices: int | None = None,
                   split_k: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None) -> torch.Tensor:
+                  num_stages: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """MoE: ``x[T, K]`` sorted by expert; rows ``offsets[e]:offsets[e+1]`` use expert e.
 
     ``weight`` [E, N, K/2] uint8, ``weight_scale`` [E, N, K/16] E4M3, ``weight_scale_2`` [E]
@@ -994,11 +1002,11 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
     cfg = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": num_warps,
            "num_stages": num_stages}
     w, s = weight.contiguous(), weight_scale.contiguous()
-    if _variant(variant, {"k_slices": k_slices}) == "v1":
+    if _variant(variant, {"k_slices": k_slices, "maxnreg": maxnreg}) == "v1":
         return _launch_v1(x2, w, s, ws2, blk_expert, row0, row1, nb, block_m, n, k, x.dtype,
                           **cfg)
     return _launch_v2(x2, w, s, ws2, (blk_expert, row0, row1), nb, block_m, n, k, x.dtype,
-                      variant or default_variant(), k_slices=k_slices, **cfg)
+                      variant or default_variant(), k_slices=k_slices, maxnreg=maxnreg, **cfg)
 
 
 # A pair tile's rows are the tokens of one expert under ``dedup`` (BLOCK_M = 16 at decode).
