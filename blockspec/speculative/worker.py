@@ -61,10 +61,11 @@ class SpecWorker:
         """(accepted drafts a, the a + 1 committed tokens, their logprobs) per request."""
         out = self.runner.run_step(batch, self.step_fn, "spec", self.width)
         T = self.width
-        acc = out[:, 0].long().tolist()
-        toks = out[:, 1:1 + T].long().tolist()
-        lps = out[:, 1 + T:].tolist()
-        return [(a, t[:a + 1], lp[:a + 1]) for a, t, lp in zip(acc, toks, lps)]
+        res = []
+        for row in out.tolist():     # one conversion: this runs while the GPU waits
+            a = int(row[0])
+            res.append((a, [int(t) for t in row[1:a + 2]], row[1 + T:T + a + 2]))
+        return res
 
     def step_fn(self, inp: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
         """Draft -> verify -> accept -> commit for every row, device ops only.
