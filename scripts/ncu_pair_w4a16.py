@@ -1,0 +1,25 @@
+"""ncu target: the MoE W4A16 pair calls (up with relu2, down) of a verify of 6 tokens, an AR
+step and a verify of 4, on random packed experts with the shared expert's 2 slices riding.
+
+    ncu --clock-control none --kernel-name regex:_w4a16_v2_kernel --launch-skip 4 \
+        --launch-count 12 --section SpeedOfLight --section Occupancy ... \
+        python3 scripts/ncu_pair_w4a16.py
+"""
+import sys, torch
+sys.path.insert(0, "scripts")
+from bench_w4a16_decode import random_nvfp4
+from blockspec.quant import triton_w4a16 as tw
+dev = "cuda"
+g = torch.Generator(device=dev).manual_seed(0)
+E, S = 128, 2
+wu = random_nvfp4((E + S, 1856, 2688), g, dev)
+wd = random_nvfp4((E + S, 2688, 1856), g, dev)
+for T in (6, 1, 4):
+    ids = torch.stack([torch.randperm(E, generator=g, device=dev)[:6] for _ in range(T)])
+    x = torch.randn(T, 2688, device=dev).bfloat16()
+    dd = T > 1
+    for _ in range(3):
+        h = tw.pair_w4a16(x, ids, *wu, dedup=dd, relu2=True, distinct=True, shared_parts=S)
+        y = tw.pair_w4a16(h, ids, *wd, x_per_pair=True, dedup=dd, distinct=True, shared_parts=S)
+    torch.cuda.synchronize()
+    print(T, len(set(ids.flatten().tolist())), h.shape, y.shape)
