@@ -145,6 +145,10 @@ def test_grouped_v2_interpreter(interpreter, variant):
         y = tw.grouped_w4a16(x, offsets, w, s, s2, variant=variant, block_k=64, block_n=64,
                              split_k=split)
         assert _rel(y, ref) <= 1e-2
+        # an expert's up projection: relu^2 in the epilogue, of the rounded result
+        y2 = tw.grouped_w4a16(x, offsets, w, s, s2, variant=variant, block_k=64, block_n=64,
+                              split_k=split, relu2=True)
+        assert _rel(y2, torch.square(torch.relu(ref))) <= 1e-2 and bool((y2 >= 0).all())
 
 
 @needs_triton

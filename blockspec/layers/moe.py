@@ -8,11 +8,12 @@ the weights are the un-biased scores, renormalised when ``norm_topk_prob``, time
 The routed experts run without reading the device back (graph-safe). Decode-sized batches
 (at most ``PAIR_PATH_MAX_PAIRS`` (token, expert) pairs, on the GPU) run per pair: each pair's
 programs read its expert's rows (``kernels/moe_pairs.py``; the W4A16 kernel's pair mode,
-``pair_w4a16``, for packed NVFP4 experts, with relu^2 in the up projection's epilogue), with
+``pair_w4a16``, for packed NVFP4 experts), with
 no sort and no gather; the pairs of several tokens (a verify) that share an expert read and
 decode it once (the dedup kernels). Larger
 batches sort the pairs by expert on the device and run grouped GEMMs over stacked expert
 weights (``torch._grouped_mm`` for dense weights, the Triton W4A16 kernel for packed ones).
+Packed experts' up projections square their relu in the W4A16 kernel's epilogue on both paths.
 Either way the weighted sum and the shared expert's add are one kernel
 (``kernels/moe_combine.py``) on the GPU.
 ``routed_reference`` is the plain per-expert loop the fast paths are tested against.
@@ -206,8 +207,8 @@ class MoE(nn.Module):
         tok = order // ids.shape[1]
         x = h[tok]
         blocks = grouped_blocks(offsets, x.shape[0])
-        up = grouped_w4a16(x, offsets, wu, su, s2u, blocks=blocks)
-        y = grouped_w4a16(relu2(up), offsets, wd, sd, s2d, blocks=blocks)
+        up = grouped_w4a16(x, offsets, wu, su, s2u, blocks=blocks, relu2=True)
+        y = grouped_w4a16(up, offsets, wd, sd, s2d, blocks=blocks)
         return combine(y, order, w, shared, h.dtype)
 
     def routed_pairs(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,

@@ -974,15 +974,16 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
                   variant: str | None = None, block_n: int | None = None,
                   block_k: int | None = None, k_slices: int | None = None,
                   split_k: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
+                  num_stages: int | None = None, maxnreg: int | None = None,
+                  relu2: bool = False) -> torch.Tensor:
     """MoE: ``x[T, K]`` sorted by expert; rows ``offsets[e]:offsets[e+1]`` use expert e.
 
     ``weight`` [E, N, K/2] uint8, ``weight_scale`` [E, N, K/16] E4M3, ``weight_scale_2`` [E]
     fp32.  Returns ``[T, N]`` in x's dtype.  The offsets may cover only the stack's first
     experts (the MoE's stacks end in the shared expert's slices, which only the pair path
     reads).  ``blocks`` (from ``grouped_blocks``) lets the up and down projections of one MoE
-    layer share the row-block table.  ``variant`` and the tile keywords are as in
-    ``w4a16_linear``.
+    layer share the row-block table.  ``variant``, the tile keywords and ``relu2`` (an expert's
+    up projection: relu(.)^2 in the epilogue) are as in ``w4a16_linear``.
     """
     n, k = _check(x, weight, weight_scale)
     if weight.dim() != 3:
@@ -1003,10 +1004,11 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
            "num_stages": num_stages}
     w, s = weight.contiguous(), weight_scale.contiguous()
     if _variant(variant, {"k_slices": k_slices, "maxnreg": maxnreg}) == "v1":
-        return _launch_v1(x2, w, s, ws2, blk_expert, row0, row1, nb, block_m, n, k, x.dtype,
-                          **cfg)
+        y = _launch_v1(x2, w, s, ws2, blk_expert, row0, row1, nb, block_m, n, k, x.dtype, **cfg)
+        return torch.square(F.relu(y)) if relu2 else y
     return _launch_v2(x2, w, s, ws2, (blk_expert, row0, row1), nb, block_m, n, k, x.dtype,
-                      variant or default_variant(), k_slices=k_slices, maxnreg=maxnreg, **cfg)
+                      variant or default_variant(), k_slices=k_slices, maxnreg=maxnreg,
+                      relu2=relu2, **cfg)
 
 
 # A pair tile's rows are the tokens of one expert under ``dedup`` (BLOCK_M = 16 at decode).
