@@ -127,6 +127,9 @@ def main() -> None:
     p.add_argument("--verify-only", action="store_true",
                    help="time the target's verify forward of --width tokens alone (no draft, no "
                         "accept, no commit)")
+    p.add_argument("--simulate-accept-length", type=float, metavar="TAU",
+                   help="with --draft: the bench's simulated acceptance (random proposals, so the "
+                        "verify routes like a trained draft's distinct tokens)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--out", required=True)
@@ -147,14 +150,19 @@ def main() -> None:
                       temperature=[0.0] * bs, top_k=[-1] * bs, top_p=[1.0] * bs, min_p=[0.0] * bs,
                       seeds=list(range(bs)), sample_counters=[0] * bs, verify_counters=[0] * bs)
     fn, kind = (e.drafter.step_fn, "spec") if draft is not None else (runner.decode_step, "decode")
+    if draft is not None:
+        e.drafter.simulate_accept_length = a.simulate_accept_length
     if a.verify_only:
         from blockspec.runtime.metadata import Mode, uniform_metadata
 
         m = e.memory
         m.set_lookahead(a.width)
 
+        # distinct random tokens: one token repeated would route every position alike
+        rand_ids = torch.randint(3, model.cfg.vocab_size, (bs, a.width), device=dev)
+
         def fn(inp, key):   # noqa: F811 - the target's verify forward alone
-            ids = inp["token"][:, None].expand(-1, a.width)
+            ids = rand_ids
             meta = uniform_metadata(inp, a.width, Mode.VERIFY, ids, m.block_table, m.page_size,
                                     runner.decode_attn, m.kv, m.mamba)
             return model(meta).logits
@@ -165,6 +173,7 @@ def main() -> None:
     key = batch.sampling_key()
     lines = [f"preset {a.preset} quantized={a.quantized} draft={a.draft} "
              f"draft_lm_head={a.draft_lm_head} verify_only={a.verify_only} "
+             f"simulate={a.simulate_accept_length} "
              f"width={a.width if draft or a.verify_only else 1} "
              f"batch {bs} context {a.context}"]
     with torch.inference_mode():

@@ -76,7 +76,8 @@ def test_mamba_steps_kernel_matches_reference(mode, steps, commit, bias, limit):
     slots = torch.tensor([3, 0, 4], device=mode)
     conv = torch.randn(S, m.conv_dim, 3, generator=g).to(mode)
     ssm = torch.randn(S, m.H, m.P, m.N, generator=g).to(mode)
-    xs, ss = torch.zeros(S, 6, m.conv_dim, device=mode), torch.zeros(S, 6, m.H, m.P, m.N, device=mode)
+    xs = torch.zeros(S, 6, m.conv_dim, device=mode)
+    ss = torch.zeros(S, 6, m.H + m.d_inner + m.G * m.N, device=mode)
     zxbcdt = torch.randn(B * steps, m.d_inner + m.conv_dim + m.H, generator=g).to(mode)
     ref_state = (conv.clone(), ssm.clone(), xs.clone(), ss.clone())
     want = m.steps_reference(zxbcdt, ref_state[0], ref_state[1], slots, steps, commit,
@@ -84,7 +85,7 @@ def test_mamba_steps_kernel_matches_reference(mode, steps, commit, bias, limit):
     got = mamba_steps(zxbcdt, conv_weight=m.conv1d.weight, conv_bias=m.conv1d.bias, dt_bias=m.dt_bias,
                       a_log=m.A_log, d_skip=m.D, conv_state=conv, ssm_state=ssm, slots=slots,
                       steps=steps, heads=m.H, head_dim=m.P, state_size=m.N, groups=m.G,
-                      d_inner=m.d_inner, commit=commit, xbc_scratch=xs, ssm_scratch=ss,
+                      d_inner=m.d_inner, commit=commit, xbc_scratch=xs, step_scratch=ss,
                       dt_limit=tuple(limit))
     tol = dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got, want, **tol)
@@ -97,10 +98,11 @@ def test_mamba_steps_kernel_matches_reference(mode, steps, commit, bias, limit):
 
 
 @pytest.mark.parametrize("mode", MODES, indirect=True)
-@pytest.mark.parametrize("conv_kernel, width", [(4, 4), (4, 1), (3, 6)])
-def test_commit_verify_kernel_matches_reference(mode, conv_kernel, width):
-    """All layers adopt the state after each row's accepted position: SSM state from the
-    scratch, conv window shifted through the block's inputs (kernel vs the pool's torch code)."""
+@pytest.mark.parametrize("conv_kernel, width, head_dim", [(4, 4, 8), (4, 1, 8), (3, 6, 6)])
+def test_commit_verify_kernel_matches_reference(mode, conv_kernel, width, head_dim):
+    """All layers adopt the state after each row's accepted position: the SSM state replayed
+    from the scratch's step inputs, the conv window shifted through the block's inputs (kernel
+    vs the pool's torch code; the kernel's fma rounds once where torch rounds twice)."""
     from blockspec.engine.memory import MambaStatePool
     from blockspec.kernels.mamba_step import commit_verify
 
@@ -108,20 +110,62 @@ def test_commit_verify_kernel_matches_reference(mode, conv_kernel, width):
     pools = []
     for _ in range(2):
         p = MambaStatePool(num_layers=3, num_slots=5, conv_dim=300, conv_kernel=conv_kernel,
-                           num_heads=4, head_dim=8, state_size=16, dtype=torch.float32,
-                           device=mode)
+                           num_heads=4, head_dim=head_dim, state_size=16, dtype=torch.float32,
+                           device=mode, groups=2)
         p.ensure_verify(width)
         pools.append(p)
-    for name in ("conv", "ssm", "xbc_scratch", "ssm_scratch"):
-        value = torch.randn(getattr(pools[0], name).shape, generator=g).to(mode)
+    for name in ("conv", "ssm", "xbc_scratch", "step_scratch"):
+        value = torch.randn(getattr(pools[0], name).shape, generator=g)
+        if name == "step_scratch":      # decays in (0, 1), as exp(dt * A) with A < 0 gives
+            value[..., :4] = torch.rand(value[..., :4].shape, generator=g)
         for p in pools:
-            getattr(p, name).copy_(value)
+            getattr(p, name).copy_(value.to(mode))
     slots = torch.tensor([3, 0, 4], device=mode)
     index = torch.tensor([width - 1, 0, min(1, width - 1)], device=mode)
-    before = pools[0].conv.clone()
+    before = pools[0].conv.clone(), pools[0].ssm.clone()
     pools[0].commit_verify_reference(slots, index)
     p = pools[1]
-    commit_verify(p.conv, p.ssm, p.xbc_scratch, p.ssm_scratch, slots, index)
-    assert torch.equal(p.ssm, pools[0].ssm) and torch.equal(p.conv, pools[0].conv)
-    assert not torch.equal(p.conv, before)                       # the windows moved
-    assert torch.equal(p.conv[:, [1, 2]], before[:, [1, 2]])     # other slots untouched
+    commit_verify(p.conv, p.ssm, p.xbc_scratch, p.step_scratch, slots, index, groups=2)
+    assert torch.equal(p.conv, pools[0].conv)
+    torch.testing.assert_close(p.ssm, pools[0].ssm, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(p.conv, before[0]) and not torch.equal(p.ssm, before[1])
+    assert torch.equal(p.conv[:, [1, 2]], before[0][:, [1, 2]])     # other slots untouched
+    assert torch.equal(p.ssm[:, [1, 2]], before[1][:, [1, 2]])
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_verify_then_commit_kernels_equal_decode_kernel(mode):
+    """Lossless speculation needs the committed state to be the one decoding would reach:
+    verify T positions, commit position i (both kernels) == i + 1 decode steps of the step
+    kernel, bit for bit, outputs included."""
+    from blockspec.engine.memory import MambaStatePool
+    from blockspec.kernels.mamba_step import commit_verify, mamba_steps
+
+    T = 5
+    m = _mixer(T, True, [0.0, float("inf")]).to(mode)
+    g = torch.Generator().manual_seed(77)
+    pool = MambaStatePool(1, 3, m.conv_dim, 4, m.H, m.P, m.N, torch.float32, torch.device(mode),
+                          groups=m.G)
+    pool.ensure_verify(T)
+    pool.conv.copy_(torch.randn(pool.conv.shape, generator=g).to(mode))
+    pool.ssm.copy_(torch.randn(pool.ssm.shape, generator=g).to(mode))
+    zxbcdt = torch.randn(T, m.d_inner + m.conv_dim + m.H, generator=g).to(mode)
+    kw = dict(conv_weight=m.conv1d.weight, conv_bias=m.conv1d.bias, dt_bias=m.dt_bias,
+              a_log=m.A_log, d_skip=m.D, heads=m.H, head_dim=m.P, state_size=m.N, groups=m.G,
+              d_inner=m.d_inner)
+    slot = torch.tensor([1], device=mode)
+    conv0, ssm0 = pool.conv.clone(), pool.ssm.clone()
+    y_verify = mamba_steps(zxbcdt, conv_state=pool.conv[0], ssm_state=pool.ssm[0], slots=slot,
+                           steps=T, commit=False, xbc_scratch=pool.xbc_scratch[0],
+                           step_scratch=pool.step_scratch[0], **kw)
+    assert torch.equal(pool.conv, conv0) and torch.equal(pool.ssm, ssm0)
+    for i in (0, 2, T - 1):
+        conv, ssm = conv0[0].clone(), ssm0[0].clone()
+        ys = [mamba_steps(zxbcdt[t:t + 1], conv_state=conv, ssm_state=ssm, slots=slot, steps=1,
+                          commit=True, **kw) for t in range(i + 1)]
+        pool.conv.copy_(conv0)
+        pool.ssm.copy_(ssm0)
+        commit_verify(pool.conv, pool.ssm, pool.xbc_scratch, pool.step_scratch, slot,
+                      torch.tensor([i], device=mode), groups=m.G)
+        assert torch.equal(pool.ssm[0], ssm) and torch.equal(pool.conv[0], conv)
+        assert torch.equal(y_verify[: i + 1], torch.cat(ys))

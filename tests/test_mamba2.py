@@ -41,7 +41,8 @@ class Pool:
     def __init__(self, m: Mamba2Mixer, slots: int, width: int, g: torch.Generator) -> None:
         from blockspec.engine.memory import MambaStatePool
 
-        self.p = MambaStatePool(1, slots, m.conv_dim, m.K, m.H, m.P, m.N, torch.float32, torch.device("cpu"))
+        self.p = MambaStatePool(1, slots, m.conv_dim, m.K, m.H, m.P, m.N, torch.float32,
+                                torch.device("cpu"), groups=m.G)
         self.p.ensure_verify(width)
         self.p.conv.copy_(torch.randn(self.p.conv.shape, generator=g))
         self.p.ssm.copy_(torch.randn(self.p.ssm.shape, generator=g))
@@ -49,14 +50,22 @@ class Pool:
     def clone(self) -> "Pool":
         other = object.__new__(Pool)
         other.p = type(self.p).__new__(type(self.p))
-        for name in ("conv", "ssm", "xbc_scratch", "ssm_scratch"):
+        for name in ("conv", "ssm", "xbc_scratch", "step_scratch"):
             setattr(other.p, name, getattr(self.p, name).clone())
+        other.p.groups = self.p.groups
         return other
 
     def steps(self, m: Mamba2Mixer, u: torch.Tensor, slots: torch.Tensor, commit: bool) -> torch.Tensor:
         T = u.shape[0] // slots.shape[0]
         return m.forward_steps(u, self.p.conv[0], self.p.ssm[0], slots, T, commit,
-                               self.p.xbc_scratch[0], self.p.ssm_scratch[0])
+                               self.p.xbc_scratch[0], self.p.step_scratch[0])
+
+    def raw_steps(self, m: Mamba2Mixer, zxbcdt: torch.Tensor, slots: torch.Tensor,
+                  commit: bool) -> torch.Tensor:
+        """The reference steps on in_proj outputs (no GEMM, so row counts cannot round)."""
+        T = zxbcdt.shape[0] // slots.shape[0]
+        return m.steps_reference(zxbcdt, self.p.conv[0], self.p.ssm[0], slots, T, commit,
+                                 self.p.xbc_scratch[0], self.p.step_scratch[0])
 
 
 def test_verify_then_commit_equals_decode_steps():
@@ -96,17 +105,39 @@ def test_extend_matches_steps_and_writes_state():
 
 
 def test_commit_picks_per_row_index():
+    """Each row adopts its own accepted position: bit for bit the verify recurrence's state
+    there (the commit replays the verify's own inputs), and, up to the rounding of step
+    shapes, what as many decode steps give; slots outside the batch are untouched."""
     m = _mixer(5)
     g = torch.Generator().manual_seed(6)
-    u = torch.randn(3 * 4, 24, generator=g)
+    width = m.d_inner + m.conv_dim + m.H
+    zxbcdt = torch.randn(3 * 4, width, generator=g)
     pool = Pool(m, 4, 4, g)
     slots = torch.tensor([2, 0, 3])
     before = pool.clone()
-    pool.steps(m, u, slots, commit=False)
+    pool.raw_steps(m, zxbcdt, slots, commit=False)
     idx = torch.tensor([0, 3, 1])
     pool.p.commit_verify(slots, idx)
+    # the verify's own per-position states, from its inputs
+    _, xbc, dt_raw = zxbcdt.view(3, 4, width).split([m.d_inner, m.conv_dim, m.H], dim=-1)
+    x, Bm, Cm, dt = m._ssm_inputs(m._conv(xbc, before.p.conv[0][slots]), dt_raw)
+    _, states = ssm_recurrent_steps(x, dt, -torch.exp(m.A_log.float()), Bm, Cm,
+                                    before.p.ssm[0][slots])
+    rows = zxbcdt.view(3, 4, width)
     for b, (s, i) in enumerate(zip(slots.tolist(), idx.tolist())):
-        full = torch.cat([before.p.conv[0, s], pool.p.xbc_scratch[0, s, : i + 1].t()], dim=1)
-        assert torch.equal(pool.p.conv[0, s], full[:, -3:])
-        assert torch.equal(pool.p.ssm[0, s], pool.p.ssm_scratch[0, s, i])
+        assert torch.equal(pool.p.ssm[0, s], states[b, i])
+        dec = before.clone()
+        for t in range(i + 1):
+            dec.raw_steps(m, rows[b, t:t + 1], torch.tensor([s]), commit=True)
+        assert torch.equal(pool.p.conv[0, s], dec.p.conv[0, s])
+        torch.testing.assert_close(pool.p.ssm[0, s], dec.p.ssm[0, s], rtol=1e-6, atol=1e-7)
+    assert not torch.equal(pool.p.ssm[0, 2], before.p.ssm[0, 2])
     assert torch.equal(pool.p.ssm[0, 1], before.p.ssm[0, 1])      # a slot not in the batch
+    assert torch.equal(pool.p.conv[0, 1], before.p.conv[0, 1])
+
+
+def test_step_scratch_is_small():
+    """A verify position keeps H + H*P + G*N floats of recurrence inputs, not an H*P*N state."""
+    m = _mixer()
+    pool = Pool(m, 2, 6, torch.Generator().manual_seed(0))
+    assert pool.p.step_scratch.shape == (1, 2, 6, m.H + m.H * m.P + m.G * m.N)

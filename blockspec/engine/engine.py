@@ -64,7 +64,8 @@ def cache_layout(cfg: NemotronHConfig) -> CacheLayout:
         num_attention_layers=len(cfg.layer_ids("attention")), num_kv_heads=cfg.num_key_value_heads,
         head_dim=cfg.head_dim, num_mamba_layers=len(cfg.layer_ids("mamba")), conv_dim=cfg.conv_dim,
         conv_kernel=cfg.conv_kernel, mamba_heads=cfg.mamba_num_heads,
-        mamba_head_dim=cfg.mamba_head_dim, ssm_state_size=cfg.ssm_state_size)
+        mamba_head_dim=cfg.mamba_head_dim, ssm_state_size=cfg.ssm_state_size,
+        mamba_groups=cfg.n_groups)
 
 
 class Engine:

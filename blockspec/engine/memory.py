@@ -65,26 +65,39 @@ class MambaStatePool:
     """Conv windows [L, slots, C, K-1] (model dtype) and SSM states [L, slots, H, P, N] (fp32).
 
     ``ensure_verify(T)`` adds the verify scratch: the pre-conv inputs [L, slots, T, C] and the
-    SSM state after each of T block positions [L, slots, T, H, P, N]. A verify forward writes
-    them and leaves the committed state alone; ``commit_verify`` adopts position a per row.
+    recurrence inputs of each of T block positions [L, slots, T, H + H*P + G*N] (fp32: the
+    decay exp(dt * A) per head, dt * x per channel, B per group). A verify forward writes them
+    and leaves the committed state alone; ``commit_verify`` replays positions 0..a per row.
+    Keeping a position's inputs rather than the state after it costs 1/N of the bytes (the
+    verify writes no state at all), and the replay is the verify's own arithmetic.
     """
 
     def __init__(self, num_layers: int, num_slots: int, conv_dim: int, conv_kernel: int,
                  num_heads: int, head_dim: int, state_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, *, groups: int) -> None:
+        if num_heads % groups or conv_dim < num_heads * head_dim + 2 * groups * state_size:
+            raise ValueError(f"MambaStatePool: groups={groups} must divide num_heads={num_heads} "
+                             f"and conv_dim={conv_dim} hold H*P + 2*G*N channels")
+        self.groups = groups
         self.conv = torch.zeros(num_layers, num_slots, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
         self.ssm = torch.zeros(num_layers, num_slots, num_heads, head_dim, state_size,
                                dtype=torch.float32, device=device)
         self.xbc_scratch: torch.Tensor | None = None
-        self.ssm_scratch: torch.Tensor | None = None
+        self.step_scratch: torch.Tensor | None = None
+
+    @property
+    def step_width(self) -> int:
+        """Floats of one position's recurrence inputs: H + H*P + G*N."""
+        _, _, H, P, N = self.ssm.shape
+        return H + H * P + self.groups * N
 
     def ensure_verify(self, width: int) -> None:
-        if self.ssm_scratch is not None and self.ssm_scratch.shape[2] >= width:
+        if self.step_scratch is not None and self.step_scratch.shape[2] >= width:
             return
         L, S, C, _ = self.conv.shape
         self.xbc_scratch = torch.zeros(L, S, width, C, dtype=self.conv.dtype, device=self.conv.device)
-        self.ssm_scratch = torch.zeros(L, S, width, *self.ssm.shape[2:], dtype=torch.float32,
-                                       device=self.ssm.device)
+        self.step_scratch = torch.zeros(L, S, width, self.step_width, dtype=torch.float32,
+                                        device=self.ssm.device)
 
     def reset(self, slot: int) -> None:
         self.conv[:, slot].zero_()
@@ -92,21 +105,34 @@ class MambaStatePool:
 
     def commit_verify(self, slots: torch.Tensor, index: torch.Tensor) -> None:
         """Every layer adopts the state after block position ``index[b]`` (0-based) for slot
-        ``slots[b]``: the SSM state is copied from the scratch; the conv window after position
-        i is the last K-1 columns of [window | xbc[:i+1]]. Device ops only (graph-safe): one
-        kernel for all layers on CUDA (``kernels/mamba_step.commit_verify``), else
-        ``commit_verify_reference``."""
+        ``slots[b]``: the SSM state replays positions 0..index from the scratch's inputs; the
+        conv window after position i is the last K-1 columns of [window | xbc[:i+1]]. Device
+        ops only (graph-safe): one kernel for all layers on CUDA
+        (``kernels/mamba_step.commit_verify``), else ``commit_verify_reference``."""
         if use_triton(self.ssm):
-            commit_verify(self.conv, self.ssm, self.xbc_scratch, self.ssm_scratch, slots, index)
+            commit_verify(self.conv, self.ssm, self.xbc_scratch, self.step_scratch, slots, index,
+                          self.groups)
         else:
             self.commit_verify_reference(slots, index)
 
     def commit_verify_reference(self, slots: torch.Tensor, index: torch.Tensor) -> None:
         keep = self.conv.shape[-1]
-        self.ssm[:, slots] = self.ssm_scratch[:, slots, index]
+        L, _, H, P, N = self.ssm.shape
+        steps = self.step_scratch[:, slots]                                 # [L, B, W, F]
+        B, W = steps.shape[1], steps.shape[2]
+        decay = steps[..., :H]
+        dx = steps[..., H:H + H * P].reshape(L, B, W, H, P)
+        bm = steps[..., H + H * P:].reshape(L, B, W, self.groups, N)
+        bm = bm.repeat_interleave(H // self.groups, dim=3)                  # [L, B, W, H, N]
+        state = self.ssm[:, slots]
+        for t in range(W):          # the update of ssm_recurrent_steps, op for op
+            new = (state * decay[:, :, t, :, None, None]
+                   + dx[:, :, t, :, :, None] * bm[:, :, t, :, None, :])
+            state = torch.where((t <= index).view(1, B, 1, 1, 1), new, state)
+        self.ssm[:, slots] = state
         full = torch.cat([self.conv[:, slots], self.xbc_scratch[:, slots].transpose(-1, -2)], dim=-1)
         cols = index[:, None] + 1 + torch.arange(keep, device=index.device)[None]      # [B, K-1]
-        L, B, C = full.shape[:3]
+        C = full.shape[2]
         window = full.gather(-1, cols[None, :, None, :].expand(L, B, C, keep))
         self.conv[:, slots] = window
 
@@ -124,6 +150,7 @@ class CacheLayout:
     mamba_heads: int = 0
     mamba_head_dim: int = 0
     ssm_state_size: int = 0
+    mamba_groups: int = 1
 
 
 @dataclass
@@ -159,7 +186,8 @@ class MemoryManager:
                    if layout.num_attention_layers else None)
         self.mamba = (MambaStatePool(layout.num_mamba_layers, max_requests + 1, layout.conv_dim,
                                      layout.conv_kernel, layout.mamba_heads, layout.mamba_head_dim,
-                                     layout.ssm_state_size, dtype, device)
+                                     layout.ssm_state_size, dtype, device,
+                                     groups=layout.mamba_groups)
                       if layout.num_mamba_layers else None)
         self.draft_kv: KVPool | None = None
         self.lookahead = 0

@@ -23,7 +23,7 @@ def _conv_step(w0, w1, w2, w3, bias, v0, v1, v2, new):
 @triton.jit
 def _mamba_steps_kernel(
         ZXBCDT, CONV_W, CONV_B, DT_BIAS, A_LOG, D_SKIP, CONV_STATE, SSM_STATE, SLOTS, Y,
-        SSM_SCRATCH, XBC_SCRATCH,
+        STEP_SCRATCH, XBC_SCRATCH,
         s_xr, s_dr, s_cs, s_ss, s_sss, s_sst, s_xss, s_xst, s_y,
         dt_lo, dt_hi,
         T: tl.constexpr, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
@@ -36,8 +36,13 @@ def _mamba_steps_kernel(
     at column DINNER, the raw dt at DINNER + CONV.
     COMMIT (decode): the final SSM state is written back to the slot (the conv windows by
     ``_conv_window_kernel`` afterwards).
-    Otherwise (verify): the committed state is left alone and the state after every step, and
-    the pre-conv inputs, go to the verify scratch of the slot.
+    Otherwise (verify): the committed state is left alone; the pre-conv inputs and each step's
+    recurrence inputs (decay exp(dt * a) per head, dt * x per channel, B per group: columns
+    [0, H), [H, H + DINNER), [H + DINNER, + G * N) of STEP_SCRATCH) go to the verify scratch
+    of the slot, from which ``_commit_verify_kernel`` replays the accepted steps (a row of
+    inputs is 1/N of the state it replaces).
+    Every update is fma(state, decay, dt * x * B), written out so that decode, verify and
+    commit round alike whatever the compiler would contract.
     Y[row, h*P + p] = C . state + D * x (fp32).
     """
     b = tl.program_id(0)
@@ -112,11 +117,16 @@ def _mamba_steps_kernel(
         dt = tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(raw)))
         if CLAMP:
             dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
-        state = state * tl.exp(dt * a) + (dt * x)[:, None] * bv[None, :]
+        decay = tl.exp(dt * a)
+        dx = dt * x
+        state = tl.fma(state, decay, dx[:, None] * bv[None, :])
         y = tl.reduce(state * cv[None, :], 1, _add_fn) + dskip * x
         tl.store(Y + row * s_y + h * P + p, y)
         if not COMMIT:
-            tl.store(SSM_SCRATCH + slot * s_sss + t * s_sst + (h * P + p)[:, None] * N + n[None, :], state)
+            ss = STEP_SCRATCH + slot * s_sss + t * s_sst
+            tl.store(ss + h, decay, mask=pb == 0)
+            tl.store(ss + H + xch, dx)
+            tl.store(ss + H + DINNER + g * N + n, bv, mask=(n < N) & leader)
     if COMMIT:
         tl.store(sptr, state)
 
@@ -145,12 +155,16 @@ def _conv_window_kernel(ZXBCDT, CONV_STATE, SLOTS, s_xr, s_cs, DINNER: tl.conste
 
 
 @triton.jit
-def _commit_verify_kernel(SSM, SSM_SCR, CONV, XBC_SCR, SLOTS, INDEX, STATE, C,
+def _commit_verify_kernel(SSM, STEPS, CONV, XBC_SCR, SLOTS, INDEX, C,
                           s_sl, s_ss, s_kl, s_ks, s_st, s_cl, s_cs, s_xl, s_xs, s_xt,
-                          KEEP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK: tl.constexpr,
-                          BLOCK_C: tl.constexpr, SSM_CHUNKS: tl.constexpr):
-    """Program (layer, row, chunk): chunks below SSM_CHUNKS copy a BLOCK of the SSM state after
-    block position INDEX[row] from the scratch into the pool; the others rebuild BLOCK_C
+                          H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+                          W: tl.constexpr, KEEP: tl.constexpr, BLOCK_J: tl.constexpr,
+                          BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                          SSM_CHUNKS: tl.constexpr):
+    """Program (layer, row, chunk): chunks below SSM_CHUNKS = H * P / BLOCK_P replay steps
+    0 .. INDEX[row] of the verify on BLOCK_P channels of one head of the committed SSM state,
+    from the step inputs the verify left in STEPS (see ``_mamba_steps_kernel``; the same fma,
+    so the result is the verify's state at INDEX bit for bit); the others rebuild BLOCK_C
     channels of the conv window: column j of the new window is column INDEX + 1 + j of
     [old window | the block's pre-conv inputs]."""
     layer = tl.program_id(0).to(tl.int64)
@@ -159,10 +173,21 @@ def _commit_verify_kernel(SSM, SSM_SCR, CONV, XBC_SCR, SLOTS, INDEX, STATE, C,
     slot = tl.load(SLOTS + row).to(tl.int64)
     idx = tl.load(INDEX + row).to(tl.int64)
     if chunk < SSM_CHUNKS:
-        o = chunk * BLOCK + tl.arange(0, BLOCK)
-        m = o < STATE
-        v = tl.load(SSM_SCR + layer * s_kl + slot * s_ks + idx * s_st + o, mask=m)
-        tl.store(SSM + layer * s_sl + slot * s_ss + o, v, mask=m)
+        h = chunk // (P // BLOCK_P)
+        p = (chunk % (P // BLOCK_P)) * BLOCK_P + tl.arange(0, BLOCK_P)
+        n = tl.arange(0, BLOCK_N)
+        nm = n < N
+        sptr = SSM + layer * s_sl + slot * s_ss + (h * P + p)[:, None] * N + n[None, :]
+        state = tl.load(sptr, mask=nm[None, :], other=0.0)
+        steps = STEPS + layer * s_kl + slot * s_ks
+        for t in tl.static_range(W):
+            decay = tl.load(steps + t * s_st + h)
+            dx = tl.load(steps + t * s_st + H + h * P + p)
+            bv = tl.load(steps + t * s_st + H + H * P + (h // (H // G)) * N + n, mask=nm,
+                         other=0.0)
+            new = tl.fma(state, decay, dx[:, None] * bv[None, :])
+            state = tl.where(t <= idx, new, state)
+        tl.store(sptr, state, mask=nm[None, :])
     else:
         c = (chunk - SSM_CHUNKS) * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = c < C

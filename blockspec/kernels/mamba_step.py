@@ -1,8 +1,10 @@
 """Mamba-2 decode and verify steps in one Triton kernel per layer: the causal conv over the
 committed window, softplus(dt), the SSM recurrence and the D skip, reading the request's state
-from the pool through its slot and writing back the final state (decode) or the state after
-every block position into the verify scratch (verify). The reference is
-``Mamba2Mixer.steps_reference`` (layers/mamba2.py), which the CPU runs."""
+from the pool through its slot and writing back the final state (decode), or leaving it alone
+and writing each block position's recurrence inputs into the verify scratch (verify); the
+commit replays the accepted positions from those inputs. The references are
+``Mamba2Mixer.steps_reference`` (layers/mamba2.py) and
+``MambaStatePool.commit_verify_reference``, which the CPU runs."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,11 +21,12 @@ def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: t
                 conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, steps: int,
                 heads: int, head_dim: int, state_size: int, groups: int, d_inner: int,
                 commit: bool, xbc_scratch: torch.Tensor | None = None,
-                ssm_scratch: torch.Tensor | None = None,
+                step_scratch: torch.Tensor | None = None,
                 dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
     """``zxbcdt`` [B*T, z | xBC | dt] (the in_proj output, rows b*T + t); one layer's pools
     ``conv_state`` [S, C, 3] and ``ssm_state`` [S, H, P, N] (fp32); scratch [S, T', C] and
-    [S, T', H, P, N] for verify. Returns y [B*T, d_inner] fp32 (D skip included)."""
+    [S, T', H + d_inner + G * N] (fp32 step inputs, ``MambaStatePool``) for verify.
+    Returns y [B*T, d_inner] fp32 (D skip included)."""
     rows, width = zxbcdt.shape
     conv_dim = d_inner + 2 * groups * state_size
     if width != d_inner + conv_dim + heads or rows != slots.shape[0] * steps:
@@ -37,7 +40,12 @@ def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: t
     y = torch.empty(rows, d_inner, dtype=torch.float32, device=zxbcdt.device)
     lo, hi = dt_limit
     clamp = lo > 0.0 or hi != float("inf")
-    ssm_s = ssm_scratch if ssm_scratch is not None else ssm_state
+    if not commit and (step_scratch is None or xbc_scratch is None
+                       or step_scratch.shape[-1] != heads + d_inner + groups * state_size
+                       or step_scratch.stride(-1) != 1):
+        raise ValueError(f"mamba_steps: a verify needs xbc_scratch and step_scratch "
+                         f"[S, T', {heads + d_inner + groups * state_size}] (contiguous rows)")
+    ssm_s = step_scratch if step_scratch is not None else ssm_state
     xbc_s = xbc_scratch if xbc_scratch is not None else conv_state
     extra = {} if interpreting() else {"num_warps": 4}
     kernels = load_kernels(_KERNELS)
@@ -59,22 +67,32 @@ def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: t
 
 
 def commit_verify(conv: torch.Tensor, ssm: torch.Tensor, xbc_scratch: torch.Tensor,
-                  ssm_scratch: torch.Tensor, slots: torch.Tensor, index: torch.Tensor) -> None:
+                  step_scratch: torch.Tensor, slots: torch.Tensor, index: torch.Tensor,
+                  groups: int) -> None:
     """Every layer adopts, for slot ``slots[b]``, the state after verify position ``index[b]``:
-    the SSM state from the scratch and the conv window shifted by index + 1 inputs, all
-    layers in one launch. Pools as in ``MambaStatePool``; its torch code is the reference."""
+    the SSM state by replaying positions 0..index from the step inputs in the scratch, the
+    conv window shifted by index + 1 inputs; all layers in one launch. Pools as in
+    ``MambaStatePool``; its torch code is the reference."""
     L, _, C, keep = conv.shape
-    state = ssm[0, 0].numel()
-    if not (conv.is_contiguous() and ssm.is_contiguous() and ssm_scratch.is_contiguous()
+    _, _, H, P, N = ssm.shape
+    width = step_scratch.shape[2]
+    if not (conv.is_contiguous() and ssm.is_contiguous() and step_scratch.is_contiguous()
             and xbc_scratch.is_contiguous()):
         raise ValueError("commit_verify: the state pools and scratch must be contiguous")
-    block, block_c = 4096, 256
-    ssm_chunks = -(-state // block)
+    if step_scratch.shape[-1] != H + H * P + groups * N or H % groups:
+        raise ValueError(f"commit_verify: step_scratch rows of {step_scratch.shape[-1]}, "
+                         f"expected H + H*P + G*N = {H + H * P + groups * N} (G={groups})")
+    block_n = next_pow2(N, 2)
+    block_p = 1
+    while block_p * 2 <= P and P % (block_p * 2) == 0 and block_p * 2 * block_n <= 4096:
+        block_p *= 2
+    block_c = 256
+    ssm_chunks = H * (P // block_p)
     grid = (L, slots.shape[0], ssm_chunks + -(-C // block_c))
     load_kernels(_KERNELS)._commit_verify_kernel[grid](
-        ssm, ssm_scratch, conv, xbc_scratch, slots, index, state, C,
-        ssm.stride(0), ssm.stride(1), ssm_scratch.stride(0), ssm_scratch.stride(1),
-        ssm_scratch.stride(2), conv.stride(0), conv.stride(1), xbc_scratch.stride(0),
-        xbc_scratch.stride(1), xbc_scratch.stride(2), KEEP=keep,
-        BLOCK_J=next_pow2(keep, 2), BLOCK=block, BLOCK_C=block_c,
-        SSM_CHUNKS=ssm_chunks, **({} if interpreting() else {"num_warps": 4}))
+        ssm, step_scratch, conv, xbc_scratch, slots, index, C,
+        ssm.stride(0), ssm.stride(1), step_scratch.stride(0), step_scratch.stride(1),
+        step_scratch.stride(2), conv.stride(0), conv.stride(1), xbc_scratch.stride(0),
+        xbc_scratch.stride(1), xbc_scratch.stride(2), H=H, P=P, N=N, G=groups, W=width,
+        KEEP=keep, BLOCK_J=next_pow2(keep, 2), BLOCK_P=block_p, BLOCK_N=block_n,
+        BLOCK_C=block_c, SSM_CHUNKS=ssm_chunks, **({} if interpreting() else {"num_warps": 4}))

@@ -4,8 +4,9 @@
   writing the new state back;
 * decode: one recurrent step per request, writing the state back;
 * verify: T recurrent steps from the committed state that *do not* overwrite it; the inputs
-  needed to rebuild the conv window and the SSM state after every step go to the pool's verify
-  scratch, from which ``MambaStatePool.commit_verify`` adopts the last accepted index.
+  needed to rebuild the conv window and to replay the SSM recurrence (each step's decay,
+  dt * x and B) go to the pool's verify scratch, from which ``MambaStatePool.commit_verify``
+  advances the state to the last accepted index.
 
 The torch code here is the reference (fp32 state and scan math). On CUDA, decode and verify
 steps run as one Triton kernel per layer (``kernels/mamba_step.py``) that reads and writes the
@@ -55,6 +56,14 @@ def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
     return torch.cat(ys, dim=1), S
 
 
+def recurrence_inputs(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-step inputs of the recurrence S' = S * decay + (dt * x) B: decay = exp(dt * A)
+    [..., H] and dt * x [..., H, P]. One place computes them, so a verify's stored inputs and
+    its own steps are the same floats (elementwise kernels may round by tensor size)."""
+    return torch.exp(dt * A), dt[..., None] * x
+
+
 def ssm_recurrent_steps(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                         C: torch.Tensor, state: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,10 +74,11 @@ def ssm_recurrent_steps(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: t
     Bt, T, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     S = state.reshape(Bt, G, H // G, P, N)
+    decay_all, xdt_all = recurrence_inputs(x, dt, A)
     ys, states = [], []
     for t in range(T):
-        decay = torch.exp(dt[:, t] * A).view(Bt, G, -1, 1, 1)
-        xdt = (dt[:, t, :, None] * x[:, t]).view(Bt, G, -1, P, 1)
+        decay = decay_all[:, t].reshape(Bt, G, -1, 1, 1)
+        xdt = xdt_all[:, t].reshape(Bt, G, -1, P, 1)
         S = S * decay + xdt * B[:, t, :, None, None, :]
         ys.append(torch.einsum("bgrpn,bgn->bgrp", S, C[:, t]).reshape(Bt, H, P))
         states.append(S.reshape(Bt, H, P, N))
@@ -149,14 +159,15 @@ class Mamba2Mixer(nn.Module):
     def forward_steps(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                       slots: torch.Tensor, steps: int, commit: bool,
                       xbc_scratch: torch.Tensor | None = None,
-                      ssm_scratch: torch.Tensor | None = None) -> torch.Tensor:
+                      step_scratch: torch.Tensor | None = None) -> torch.Tensor:
         """``steps`` recurrent steps for each of B = len(slots) requests, ``u`` [B*steps, d] in
         row order b*steps + t, against one layer's state pools ([S, C, K-1], [S, H, P, N]).
 
         commit (decode): the slots' conv windows and SSM states advance in place.
-        not commit (verify): the committed state is untouched; the pre-conv inputs and the SSM
-        state after each step go to ``xbc_scratch`` [S, T', C] / ``ssm_scratch`` [S, T', H, P, N]
-        for ``MambaStatePool.commit_verify``. Returns the mixer output [B*steps, d]."""
+        not commit (verify): the committed state is untouched; the pre-conv inputs and each
+        step's recurrence inputs go to ``xbc_scratch`` [S, T', C] / ``step_scratch``
+        [S, T', H + H*P + G*N] for ``MambaStatePool.commit_verify``. Returns the mixer output
+        [B*steps, d]."""
         zxbcdt = self.in_proj(u)
         z = zxbcdt[:, : self.d_inner]
         if use_triton(u) and self.K == 4:
@@ -167,15 +178,15 @@ class Mamba2Mixer(nn.Module):
                             conv_state=conv_state, ssm_state=ssm_state, slots=slots, steps=steps,
                             heads=self.H, head_dim=self.P, state_size=self.N, groups=self.G,
                             d_inner=self.d_inner, commit=commit, xbc_scratch=xbc_scratch,
-                            ssm_scratch=ssm_scratch, dt_limit=self.dt_limit)
+                            step_scratch=step_scratch, dt_limit=self.dt_limit)
         else:
             y = self.steps_reference(zxbcdt, conv_state, ssm_state, slots, steps, commit,
-                                     xbc_scratch, ssm_scratch)
+                                     xbc_scratch, step_scratch)
         return self.out_proj(self.norm(y, z))
 
     def steps_reference(self, zxbcdt: torch.Tensor, conv_state: torch.Tensor,
                         ssm_state: torch.Tensor, slots: torch.Tensor, steps: int, commit: bool,
-                        xbc_scratch: torch.Tensor | None, ssm_scratch: torch.Tensor | None
+                        xbc_scratch: torch.Tensor | None, step_scratch: torch.Tensor | None
                         ) -> torch.Tensor:
         """Torch reference of the fused step kernel: y [B*T, d_inner] fp32 (D skip included),
         with the same state writes."""
@@ -192,7 +203,9 @@ class Mamba2Mixer(nn.Module):
             keep = conv_state.shape[-1]
             conv_state[slots] = torch.cat([window, xbc.transpose(1, 2).to(window.dtype)], dim=2)[..., -keep:]
             ssm_state[slots] = states[:, -1]
-        else:
+        else:       # the recurrence inputs ssm_recurrent_steps used, per position
+            decay, dx = recurrence_inputs(x, dt, -torch.exp(self.A_log.float()))
             xbc_scratch[slots, :T] = xbc.to(xbc_scratch.dtype)
-            ssm_scratch[slots, :T] = states
+            step_scratch[slots, :T] = torch.cat([decay, dx.reshape(B, T, -1),
+                                                 Bm.reshape(B, T, -1)], dim=-1)
         return y.reshape(B * T, self.d_inner)

@@ -139,4 +139,4 @@ class NemotronHForCausalLM(nn.Module):
         if meta.mode == Mode.DECODE:
             return mixer.forward_steps(x, conv, ssm, meta.req_slots, meta.q_len, commit=True)
         return mixer.forward_steps(x, conv, ssm, meta.req_slots, meta.q_len, commit=False,
-                                   xbc_scratch=pool.xbc_scratch[n], ssm_scratch=pool.ssm_scratch[n])
+                                   xbc_scratch=pool.xbc_scratch[n], step_scratch=pool.step_scratch[n])

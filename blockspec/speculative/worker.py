@@ -88,6 +88,8 @@ class SpecWorker:
                                           greedy_only=greedy_only, with_probs=not greedy_only)
         else:
             drafts, q = base.argmax(-1), None        # argmax drafting: q is a point mass
+        if self.simulate_accept_length is not None:
+            drafts = self._simulated_proposals(inp, base.shape[-1])
 
         cand = torch.cat([anchor[:, None], drafts], dim=1)
         if Q == T:      # the verify reads the draft block's own positions
@@ -127,6 +129,15 @@ class SpecWorker:
         if self.head is not None:
             return self.head(h).float()
         return self.draft.compute_logits(h, self.target)
+
+    def _simulated_proposals(self, inp: dict[str, torch.Tensor], vocab: int) -> torch.Tensor:
+        """Benchmark mode: the block's proposals are uniformly random tokens (from the
+        simulation's own stream, columns 1..γ), after the draft has run as usual. A random-weight
+        draft's argmax repeats tokens within a block, so its verify would route to fewer MoE
+        experts (and read fewer weights) than a trained draft's distinct tokens; random tokens
+        are the conservative stand-in."""
+        u = uniforms(inp["seed"], inp["verify_ctr"], Stream.SIMULATE, 1 + self.gamma)[:, 1:]
+        return (u * vocab).long().clamp_max(vocab - 1)
 
     def _simulated(self, inp: dict[str, torch.Tensor], logits: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
