@@ -185,8 +185,8 @@ def _commit_verify_kernel(SSM, STEPS, CONV, XBC_SCR, SLOTS, INDEX, C,
             dx = tl.load(steps + t * s_st + H + h * P + p)
             bv = tl.load(steps + t * s_st + H + H * P + (h // (H // G)) * N + n, mask=nm,
                          other=0.0)
-            new = tl.fma(state, decay, dx[:, None] * bv[None, :])
-            state = tl.where(t <= idx, new, state)
+            stepped = tl.fma(state, decay, dx[:, None] * bv[None, :])
+            state = tl.where(t <= idx, stepped, state)
         tl.store(sptr, state, mask=nm[None, :])
     else:
         c = (chunk - SSM_CHUNKS) * BLOCK_C + tl.arange(0, BLOCK_C)
