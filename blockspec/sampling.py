@@ -24,6 +24,8 @@ from typing import Any, Sequence
 
 import torch
 
+from blockspec.kernels.triton_loader import use_triton
+
 __all__ = [
     "SamplingParams",
     "SamplingParamsError",
@@ -277,6 +279,17 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int, width: int) -> torch.Tensor:
+    """``uniforms_reference``'s numbers: one Triton launch on CUDA (``kernels/uniforms.py``),
+    the torch code elsewhere."""
+    if use_triton(seeds):
+        from blockspec.kernels.uniforms import uniforms_fused
+
+        return uniforms_fused(seeds, counters, stream, width)
+    return uniforms_reference(seeds, counters, stream, width)
+
+
+def uniforms_reference(seeds: torch.Tensor, counters: torch.Tensor, stream: int,
+                       width: int) -> torch.Tensor:
     """U[0, 1) fp64 uniforms [N, width]: ``u[i, j]`` is a pure function of
     (seeds[i], stream, counters[i], j).
 

@@ -95,12 +95,18 @@ def range_table(prof, total_us: float) -> list[str]:
     spans = [(ev.name, ev.time_range.start, ev.time_range.end) for ev in cuda if _is_range(ev.name)]
     sums: collections.Counter = collections.Counter()
     counts = collections.Counter(name for name, _, _ in spans)
+    loose_t: collections.Counter = collections.Counter()     # kernels outside every phase
+    loose_n: collections.Counter = collections.Counter()
+    phase_spans = [sp for sp in spans if sp[0].startswith("phase:")]
     for ev in cuda:
         if _is_range(ev.name):
             continue
         for name, lo, hi in spans:
             if lo <= ev.time_range.start < hi:
                 sums[name] += ev.time_range.elapsed_us()
+        if phase_spans and not any(lo <= ev.time_range.start < hi for _, lo, hi in phase_spans):
+            loose_t[ev.name] += ev.time_range.elapsed_us()
+            loose_n[ev.name] += 1
     lines = []
     for prefix, title in (("phase:", "by phase"), ("layer:", "target by layer kind")):
         names = [n for n in counts if n.startswith(prefix)]
@@ -113,7 +119,10 @@ def range_table(prof, total_us: float) -> list[str]:
         if prefix == "phase:":
             rest = total_us - sum(sums[n] for n in names)
             lines.append(f"  {rest / 1e3:8.3f} ms  {100 * rest / max(total_us, 1e-9):5.1f} %"
-                         f"        other (metadata, sampling, output)")
+                         f"        other (metadata, sampling, output): {sum(loose_n.values())} "
+                         f"kernels")
+            for n, t in loose_t.most_common(12):
+                lines.append(f"      {t / 1e3:8.3f} ms  x{loose_n[n]:<4d} {n[:90]}")
     return lines
 
 
