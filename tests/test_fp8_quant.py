@@ -212,3 +212,50 @@ def test_fp8_linear_in_a_cuda_graph_without_host_sync(kind, monkeypatch):
     monkeypatch.setattr(qlinear, "quantize_fp8_act", _refuse)
     with torch.no_grad():
         torch.testing.assert_close(lin(x).float(), y.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+@pytest.mark.parametrize("residual", [False, True])
+def test_norms_with_fp8_output_equal_norm_then_quantize(mode, residual):
+    """The norms' E4M3 epilogue is the FP8 linear's input quantization of their unquantized
+    output, bit for bit (RMSNorm with and without the residual add, and the gated group norm)."""
+    from blockspec.kernels.norm import gated_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(3 + residual)
+    x = (4 * torch.randn(5, 2688, generator=g)).to(torch.bfloat16).to(mode)
+    r = torch.randn(5, 2688, generator=g).to(torch.bfloat16).to(mode) if residual else None
+    w = (1 + 0.3 * torch.randn(2688, generator=g)).to(torch.bfloat16).to(mode)
+    scale = torch.tensor(0.0123, device=mode)
+    h, y = rms_norm(x, w, 1e-5, residual=r)
+    h8, y8 = rms_norm(x, w, 1e-5, residual=r, fp8_scale=scale)
+    assert torch.equal(h8, h)
+    _assert_same_bits(y8, quantize_fp8_act_reference(y, scale), y)
+    v = (3 * torch.randn(5, 512, generator=g)).to(mode)               # fp32, as the mixer's y
+    z = torch.randn(5, 512, generator=g).to(torch.bfloat16).to(mode)
+    gw = (1 + 0.3 * torch.randn(512, generator=g)).to(torch.bfloat16).to(mode)
+    plain = gated_rms_norm(v, z, gw, 128, 1e-5)
+    _assert_same_bits(gated_rms_norm(v, z, gw, 128, 1e-5, fp8_scale=scale),
+                      quantize_fp8_act_reference(plain, scale), plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_linear_takes_its_input_prequantized():
+    """forward_quantized(x quantized at fused_input_scale) == forward(x), bit for bit; the
+    fused scale is offered only on the fused path with a static scale."""
+    torch.manual_seed(0)
+    lin = FP8Linear(2688, 1024, dtype=torch.bfloat16).cuda()
+    lin.weight.copy_((0.05 * torch.randn(1024, 2688, device="cuda")).to(torch.float8_e4m3fn))
+    lin.weight_scale.fill_(0.5)
+    lin.input_scale.fill_(0.02)
+    prepare_fp8(lin)
+    x = torch.randn(3, 2688, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        scale = lin.fused_input_scale(x)
+        assert scale is lin.input_scale
+        got = lin.forward_quantized(quantize_fp8_act(x, scale), torch.bfloat16)
+        assert torch.equal(got, lin(x))
+        assert lin.fused_input_scale(x.cpu()) is None
+    lin.input_scale.fill_(0.0)                      # no static scale: the linear quantizes
+    with torch.inference_mode():
+        assert lin.fused_input_scale(x) is None

@@ -72,3 +72,27 @@ def test_triton_modules_match_reference_on_engine_activations(name):
         got = m(x).float()
         ref = F.linear(x, m.dense_weight(torch.bfloat16)).float()
         assert ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)) < 1e-2, n
+
+
+def test_fp8_quantization_fused_into_the_norms_changes_no_bit(monkeypatch):
+    """The mixed Lightning fixture (FP8 Mamba projections, static scales from ModelOpt): decode
+    with the norms quantizing for the FP8 linears gives the same tokens and logprobs, to the
+    bit, as with the linears quantizing themselves."""
+    from blockspec.quant.linear import FP8Linear
+
+    def run():
+        e = Engine(model_path=str(FIXTURES / "mixed_lightning"), device="cuda", dtype="bfloat16")
+        try:
+            outs = e.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+        finally:
+            e.shutdown()
+        return [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+
+    calls = []
+    orig = FP8Linear.forward_quantized
+    monkeypatch.setattr(FP8Linear, "forward_quantized",
+                        lambda self, xq, dt: calls.append(1) or orig(self, xq, dt))
+    fused = run()
+    assert calls                                      # the fused path ran
+    monkeypatch.setattr(FP8Linear, "fused_input_scale", lambda self, x: None)
+    assert run() == fused

@@ -7,9 +7,9 @@ RNE_MAGIC = tl.constexpr(12582912.0)   # 1.5 * 2^23: fp32 keeps no fraction bits
 
 
 @triton.jit
-def _fp8_quant_kernel(X, SCALE, OUT, K, s_x, s_o, BLOCK_K: tl.constexpr):
-    """Row m, columns [kb * BLOCK_K, ...): OUT = e4m3(clamp(X / SCALE, -448, 448)), rounded to
-    nearest even, bit for bit as torch does it.
+def e4m3_round(x, scale):
+    """fp32 ``x`` / ``scale`` clamped to +-448 and rounded to nearest even on the E4M3 grid, as
+    an fp32 value that an fp8 cast then holds exactly (also called by the fused norms).
 
     The value is rounded to the E4M3 grid in fp32 first, so the fp8 cast is exact and its own
     rounding never matters (the interpreter truncates fp32 -> fp8 casts; on sm89 Triton casts
@@ -21,11 +21,6 @@ def _fp8_quant_kernel(X, SCALE, OUT, K, s_x, s_o, BLOCK_K: tl.constexpr):
     keeps FFMA + FADD); the FFMA that contracts t's product into the add rounds that exact
     product once, as the add alone would. The sign comes back from the bits, so -0 and tiny
     negatives stay -0 as in torch (the magic add would give +0)."""
-    m = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    cm = c < K
-    x = tl.load(X + m * s_x + c, mask=cm, other=0.0).to(tl.float32)
-    scale = tl.load(SCALE).to(tl.float32)
     # IEEE division like torch's: a plain ``/`` compiles to the approximate div.full.f32
     v = tl.math.div_rn(x, scale)
     v = tl.clamp(v, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
@@ -36,5 +31,16 @@ def _fp8_quant_kernel(X, SCALE, OUT, K, s_x, s_o, BLOCK_K: tl.constexpr):
     q = ((127 - 3 + e) << 23).to(tl.float32, bitcast=True)       # 2^(e-3)
     t = mag.to(tl.float32, bitcast=True) * inv_q
     n = (t + RNE_MAGIC) - RNE_MAGIC
-    r = ((n * q).to(tl.int32, bitcast=True) | (bits ^ mag)).to(tl.float32, bitcast=True)
+    return ((n * q).to(tl.int32, bitcast=True) | (bits ^ mag)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_quant_kernel(X, SCALE, OUT, K, s_x, s_o, BLOCK_K: tl.constexpr):
+    """Row m, columns [kb * BLOCK_K, ...): OUT = e4m3(clamp(X / SCALE, -448, 448)), rounded to
+    nearest even, bit for bit as torch does it (``e4m3_round``)."""
+    m = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cm = c < K
+    x = tl.load(X + m * s_x + c, mask=cm, other=0.0).to(tl.float32)
+    r = e4m3_round(x, tl.load(SCALE).to(tl.float32))
     tl.store(OUT + m * s_o + c, r.to(OUT.dtype.element_ty), mask=cm)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
+from blockspec.quant.linear import fused_input_scale
 from blockspec.layers.norm import GatedGroupRMSNorm
 from blockspec.models.nemotron_h_config import NemotronHConfig
 
@@ -107,8 +108,26 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = build_linear(f"{prefix}.out_proj", self.d_inner, cfg.hidden_size, cfg.use_bias, quant, dtype)
 
     # ---- pieces --------------------------------------------------------------------------
+    def input_fp8_scale(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The scale at which the block's norm may hand ``forward_steps`` its input in E4M3
+        (an FP8 in_proj with a static scale on the fused path), else None."""
+        return fused_input_scale(self.in_proj, x)
+
+    def _in(self, u: torch.Tensor) -> torch.Tensor:
+        """in_proj of u, bf16 or already E4M3 (``input_fp8_scale``)."""
+        if u.dtype == torch.float8_e4m3fn:
+            return self.in_proj.forward_quantized(u, self.norm.weight.dtype)
+        return self.in_proj(u)
+
+    def _norm_out(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """out_proj(norm(y, z)); an FP8 out_proj gets its input quantized by the norm."""
+        scale = fused_input_scale(self.out_proj, z)
+        if scale is None:
+            return self.out_proj(self.norm(y, z))
+        return self.out_proj.forward_quantized(self.norm(y, z, fp8_scale=scale), z.dtype)
+
     def _split(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        p = self.in_proj(u)
+        p = self._in(u)
         return p.split([self.d_inner, self.conv_dim, self.H], dim=-1)
 
     def _conv(self, xbc: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
@@ -138,7 +157,7 @@ class Mamba2Mixer(nn.Module):
     def _out(self, y: torch.Tensor, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         y = y + x * self.D.float()[:, None]
         y = y.reshape(*y.shape[:-2], self.d_inner)
-        return self.out_proj(self.norm(y, z))
+        return self._norm_out(y, z)
 
     # ---- modes ---------------------------------------------------------------------------
     def extend(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
@@ -168,7 +187,7 @@ class Mamba2Mixer(nn.Module):
         step's recurrence inputs go to ``xbc_scratch`` [S, T', C] / ``step_scratch``
         [S, T', H + H*P + G*N] for ``MambaStatePool.commit_verify``. Returns the mixer output
         [B*steps, d]."""
-        zxbcdt = self.in_proj(u)
+        zxbcdt = self._in(u)
         z = zxbcdt[:, : self.d_inner]
         if use_triton(u) and self.K == 4:
             from blockspec.kernels.mamba_step import mamba_steps
@@ -182,7 +201,7 @@ class Mamba2Mixer(nn.Module):
         else:
             y = self.steps_reference(zxbcdt, conv_state, ssm_state, slots, steps, commit,
                                      xbc_scratch, step_scratch)
-        return self.out_proj(self.norm(y, z))
+        return self._norm_out(y, z)
 
     def steps_reference(self, zxbcdt: torch.Tensor, conv_state: torch.Tensor,
                         ssm_state: torch.Tensor, slots: torch.Tensor, steps: int, commit: bool,

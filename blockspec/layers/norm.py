@@ -1,6 +1,7 @@
 """RMSNorm variants used by Nemotron-H and the Qwen3-style draft layers. On CUDA (inference)
 each runs as one fused Triton kernel (``kernels/norm.py``); ``reference`` is the torch math the
-kernels are tested against and what the CPU runs."""
+kernels are tested against and what the CPU runs. ``fp8_scale``: return the output quantized to
+E4M3 at that static scale (the next FP8 linear's input quantization, fused into the norm)."""
 from __future__ import annotations
 
 import torch
@@ -18,21 +19,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fp8_scale: torch.Tensor | None = None) -> torch.Tensor:
         if use_triton(x):
             from blockspec.kernels.norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps)[1]
-        return self.reference(x)
+            return rms_norm(x, self.weight, self.eps, fp8_scale=fp8_scale)[1]
+        return _to_fp8(self.reference(x), fp8_scale)
 
-    def add_forward(self, h: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, h: torch.Tensor, out: torch.Tensor,
+                    fp8_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm block step: (h + out, norm(h + out)), the sum in h's dtype."""
         if use_triton(h):
             from blockspec.kernels.norm import rms_norm
 
-            return rms_norm(h, self.weight, self.eps, residual=out)
+            return rms_norm(h, self.weight, self.eps, residual=out, fp8_scale=fp8_scale)
         h = h + out
-        return h, self.reference(h)
+        return h, _to_fp8(self.reference(h), fp8_scale)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -56,12 +58,14 @@ class GatedGroupRMSNorm(nn.Module):
         self.group_size = group_size
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, gate: torch.Tensor,
+                fp8_scale: torch.Tensor | None = None) -> torch.Tensor:
         if use_triton(gate):
             from blockspec.kernels.norm import gated_rms_norm
 
-            return gated_rms_norm(y, gate, self.weight, self.group_size, self.eps)
-        return self.reference(y, gate)
+            return gated_rms_norm(y, gate, self.weight, self.group_size, self.eps,
+                                  fp8_scale=fp8_scale)
+        return _to_fp8(self.reference(y, gate), fp8_scale)
 
     def reference(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = gate.dtype
@@ -70,3 +74,11 @@ class GatedGroupRMSNorm(nn.Module):
         v = v.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
         v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * v.view(shape).to(dtype)
+
+
+def _to_fp8(y: torch.Tensor, fp8_scale: torch.Tensor | None) -> torch.Tensor:
+    if fp8_scale is None:
+        return y
+    from blockspec.kernels.fp8_quant import quantize_fp8_act_reference
+
+    return quantize_fp8_act_reference(y, fp8_scale)

@@ -89,8 +89,12 @@ class NemotronHForCausalLM(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         out = None
         for i, block in enumerate(self.backbone.layers):
-            # the residual add of the previous block and this block's norm run fused
-            h, x = block.norm.add_forward(h, out) if out is not None else (h, block.norm(h))
+            # the residual add of the previous block and this block's norm run fused; before
+            # a Mamba step's FP8 in_proj the norm also quantizes its output (one launch less)
+            fp8 = (block.mixer.input_fp8_scale(h)
+                   if block.kind == "mamba" and meta.mode != Mode.EXTEND else None)
+            h, x = (block.norm.add_forward(h, out, fp8_scale=fp8) if out is not None
+                    else (h, block.norm(h, fp8_scale=fp8)))
             if i in taps:
                 captured[i] = h
             if block.kind == "mamba":

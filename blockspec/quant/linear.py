@@ -178,6 +178,20 @@ class FP8Linear(_QuantBase):
             return fp8_w8a8(x, self.weight, self.weight_scale, self.activation_scale(x), bias)
         return F.linear(x, self.dense_weight(x.dtype), bias)
 
+    def fused_input_scale(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The static input scale when whoever produces ``x`` may hand it over already in
+        E4M3 (``forward_quantized``): the fused path runs (Triton, ``_scaled_mm``) and the
+        checkpoint's scale is static. None otherwise (then ``forward`` quantizes)."""
+        if (use_triton(x) and _scaled_mm_ok(x, self.in_features, self.out_features)
+                and self.static_scale()):
+            return self.input_scale
+        return None
+
+    def forward_quantized(self, xq: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``forward`` of an input already quantized at ``fused_input_scale``."""
+        bias = None if self.bias is None else self.bias.to(out_dtype)
+        return _fp8_gemm(xq, self.weight, self.weight_scale, self.input_scale, bias, out_dtype)
+
     def prepare(self) -> bool:
         """Decide once whether the static ``input_scale`` applies (present and > 0, as in real
         checkpoints): one host read, made after loading (``prepare_fp8``) so no step needs it."""
@@ -233,12 +247,24 @@ def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     """x [..., K] (bf16/fp16) @ (weight [N, K] E4M3 x weight_scale)^T with x quantized to E4M3
     at ``input_scale`` (one Triton launch where ``use_triton`` allows, else the bit-identical
     torch reference), then one FP8 tensor-core GEMM (``torch._scaled_mm``), fp32 accumulation."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, k)
-    xq = quantize_fp8_act(rows, input_scale) if use_triton(x) else _quantize_act(rows, input_scale)
-    y = torch._scaled_mm(xq, weight.t(), scale_a=input_scale.float().reshape(()),
-                         scale_b=weight_scale.float().reshape(()), bias=bias, out_dtype=x.dtype)
+    xq = quantize_fp8_act(x, input_scale) if use_triton(x) else _quantize_act(x, input_scale)
+    return _fp8_gemm(xq, weight, weight_scale, input_scale, bias, x.dtype)
+
+
+def _fp8_gemm(xq: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+              input_scale: torch.Tensor, bias: torch.Tensor | None,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """E4M3 ``xq`` [..., K] (quantized at ``input_scale``) @ the E4M3 weight^T, one GEMM."""
+    lead, k = xq.shape[:-1], xq.shape[-1]
+    y = torch._scaled_mm(xq.reshape(-1, k), weight.t(), scale_a=input_scale.float().reshape(()),
+                         scale_b=weight_scale.float().reshape(()), bias=bias, out_dtype=out_dtype)
     return y.reshape(*lead, weight.shape[0])
+
+
+def fused_input_scale(linear: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """``FP8Linear.fused_input_scale`` for any linear (None for the other formats)."""
+    fn = getattr(linear, "fused_input_scale", None)
+    return None if fn is None else fn(x)
 
 
 def fp8_w8a8_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
