@@ -231,7 +231,7 @@ class Engine:
     def verify_width(self) -> int:
         """Positions one speculative verify covers (anchor + drafts: the most tokens it can
         commit); 0 without speculation."""
-        return self.memory.lookahead if self.drafter is not None else 0
+        return self.drafter.width if self.drafter is not None else 0
 
     def shutdown(self) -> None:
         """Stop the engine loop (running requests end with an error) and drop the model."""

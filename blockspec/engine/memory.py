@@ -137,6 +137,10 @@ class MambaStatePool:
         self.conv[:, slots] = window
 
 
+# steps the scheduler keeps launched ahead of the one it reads back (engine/scheduler.py)
+STEPS_IN_FLIGHT = 2
+
+
 @dataclass
 class CacheLayout:
     """What the target model needs cached (from its config)."""
@@ -190,7 +194,7 @@ class MemoryManager:
                                      groups=layout.mamba_groups)
                       if layout.num_mamba_layers else None)
         self.draft_kv: KVPool | None = None
-        self.lookahead = 0
+        self.set_step_width(1)
 
     # ---- pools a drafter adds ----------------------------------------------------------------
     def add_draft_pool(self, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -200,12 +204,13 @@ class MemoryManager:
                                head_dim, dtype, self.device)
         return self.draft_kv
 
-    def set_lookahead(self, width: int) -> None:
-        """Positions a speculative step may write past the committed length (verify width);
-        reserved at admission and held as verify scratch in the Mamba pool."""
-        self.lookahead = width
-        if self.mamba is not None:
-            self.mamba.ensure_verify(width)
+    def set_step_width(self, width: int) -> None:
+        """Positions one step may write past the committed length (1 for AR, the verify width
+        for speculation). ``STEPS_IN_FLIGHT`` such steps are reserved at admission: the
+        scheduler launches the next step before it has read the current one back, so a request
+        that finishes may still be written by the step after (whose rows are then dropped)."""
+        self.step_width = width
+        self.lookahead = STEPS_IN_FLIGHT * width
 
     # ---- capacity ----------------------------------------------------------------------------
     @property

@@ -3,6 +3,13 @@
 rules (engine/stop.py). It owns the requests and the memory manager's reservations; tensors
 stay inside the runner, the speculative worker and the model. Only the engine loop's thread
 (engine/loop.py) drives it.
+
+Decode steps overlap the host: while the running requests stay the same, each call launches
+the next step (from the inputs the current one advances on the device) before it reads the
+current one back, so appending tokens, stop checks and the loop's outputs run while the GPU
+works. A request that finishes is therefore computed one step too far; that step's rows for
+it are dropped (its reservation covers the extra positions, ``STEPS_IN_FLIGHT``), and a changed
+batch (a finish, an admission, an abort) waits for the step in flight before it is filled anew.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ from blockspec.engine.memory import MemoryManager
 from blockspec.engine.request import Request
 from blockspec.engine.stop import append_tokens
 from blockspec.runtime.metadata import StepBatch
-from blockspec.runtime.model_runner import ModelRunner
+from blockspec.runtime.model_runner import Launched, ModelRunner
 from blockspec.sampling import request_seed
 
 
@@ -29,7 +36,9 @@ class Drafter(Protocol):
 
     def on_prefill(self, aux: torch.Tensor, rows: torch.Tensor) -> None: ...
 
-    def step(self, batch: StepBatch) -> list[tuple[int, list[int], list[float]]]: ...
+    def launch(self, batch: StepBatch | None, prev: Launched | None = None) -> Launched: ...
+
+    def results(self, step: Launched) -> list[tuple[int, list[int], list[float]]]: ...
 
 
 class Scheduler:
@@ -48,6 +57,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._last_was_prefill = False
         self._arrivals = 0
+        self._inflight: Launched | None = None    # launched, not yet read back (tag: its requests)
 
     def add(self, req: Request) -> None:
         self.check(req)
@@ -136,27 +146,46 @@ class Scheduler:
             verify_counters=[r.spec_verify_ct for r in reqs],
             want_logprobs=any(r.return_logprob for r in reqs))
 
+    def _launch(self, reqs: list[Request] | None, prev: Launched | None = None) -> Launched:
+        """A step for ``reqs`` filled from their host state, or (None) the step after ``prev``
+        for the same requests, from the inputs ``prev`` advanced on the device."""
+        batch = self._step_batch(reqs) if reqs is not None else None
+        with record_function("decode.launch"):
+            if self.drafter is None:
+                step = self.runner.launch_step(batch, self.runner.decode_step, "decode", 1, prev)
+            else:
+                step = self.drafter.launch(batch, prev)
+        step.tag = reqs if reqs is not None else prev.tag
+        return step
+
     def _decode_step(self) -> list[Request]:
+        """Read one step back and apply it; first launch the step after it when the running
+        requests are still exactly the ones it ran for (see the module docstring)."""
         reqs = list(self.running)
-        batch = self._step_batch(reqs)
-        if self.drafter is None:
-            with record_function("decode.step"):
-                out = self.runner.run_step(batch, self.runner.decode_step, "decode", 1).tolist()
-            for req, (tok, lp) in zip(reqs, out):
-                req.num_cached += 1
-                self._append(req, [int(tok)], [lp])
-        else:
-            with record_function("spec.step"):
-                results = self.drafter.step(batch)
-            for req, (a, tokens, lps) in zip(reqs, results):
-                req.num_cached += a + 1
+        cur = self._inflight
+        if cur is None:
+            cur = self._launch(reqs)
+        same = len(cur.tag) == len(reqs) and all(a is b for a, b in zip(cur.tag, reqs))
+        self._inflight = self._launch(None, cur) if same else None
+        with record_function("decode.readback"):
+            if self.drafter is None:
+                results = [(0, [int(tok)], [lp]) for tok, lp in self.runner.collect(cur)]
+            else:
+                results = self.drafter.results(cur)
+        changed = []
+        for req, (a, tokens, lps) in zip(cur.tag, results):
+            if req.finished:            # finished (or aborted) after this step was launched
+                continue
+            req.num_cached += a + 1
+            if self.drafter is not None:
                 req.spec_verify_ct += 1
                 if not req.spec_accept_histogram:
                     req.spec_accept_histogram = [0] * self.drafter.lookahead
                 req.spec_accept_histogram[a] += 1
-                self._append(req, tokens, lps)
-        self._retire([r for r in reqs if r.finished])
-        return reqs
+            self._append(req, tokens, lps)
+            changed.append(req)
+        self._retire([r for r in changed if r.finished])
+        return changed
 
     def _retire(self, finished: list[Request]) -> list[Request]:
         for req in finished:

@@ -1,10 +1,14 @@
 """ModelRunner: executes forwards for the scheduler and never decides what runs.
 
 * ``extend``: prefill chunks (eager; shapes change every call).
-* ``run_step``: a decode or speculative step described by a ``StepBatch``. The step itself is
-  a pure function of the static step inputs and the caches (``decode_step`` here,
-  ``SpecWorker.step_fn`` for speculation), replayed from a CUDA graph when one is captured for
-  the padded batch size, else run eagerly. Its outputs come back in one read per step.
+* ``launch_step`` / ``collect``: a decode or speculative step described by a ``StepBatch``,
+  launched without waiting for it, and its outputs read back (one copy per step, into a pinned
+  buffer). The step itself is a pure function of the static step inputs and the caches
+  (``decode_step`` here, ``SpecWorker.step_fn`` for speculation), replayed from a CUDA graph
+  when one is captured for the padded batch size, else run eagerly. Every step function ends
+  by advancing the inputs on the device (``advance_inputs``: last token, lengths, counters),
+  so the next step of the same requests can be launched before this one is read back
+  (``launch_step(None, ...)``): the host's work on a step's outputs overlaps the next step.
 
 The runner reads the memory manager's pools; allocation and admission live in the scheduler.
 """
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +30,20 @@ from blockspec.sampling import Stream, logprobs_of, sample, uniforms
 
 StepFn = Callable[[dict[str, torch.Tensor], tuple], torch.Tensor]
 log = logging.getLogger("blockspec")
+
+
+@dataclass
+class Launched:
+    """A step on its way: what ran (to launch its continuation) and where its outputs land."""
+
+    kind: str
+    fn: StepFn
+    key: tuple
+    width: int
+    bs: int
+    out: torch.Tensor                  # [bs, cols] host tensor (pinned on CUDA)
+    event: torch.cuda.Event | None = None
+    tag: object = field(default=None)  # the caller's (the scheduler's requests)
 
 
 @dataclass
@@ -56,6 +74,8 @@ class ModelRunner:
                 break
         self.capture_layers: tuple[int, ...] = ()
         self.host_max_seq_len = 0   # eager steps' longest context (the torch backend needs it)
+        self._readback: dict[int, list[torch.Tensor]] = {}   # pinned output buffers per width
+        self._turn = 0
 
     # ---- prefill -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -94,7 +114,23 @@ class ModelRunner:
         m = self.memory
         meta = uniform_metadata(inp, 1, Mode.DECODE, inp["token"], m.block_table, m.page_size,
                                 self.decode_attn, m.kv, m.mamba, max_seq_len=self.host_max_seq_len)
-        return self._pick(self.model(meta).logits, inp, key)
+        out = self._pick(self.model(meta).logits, inp, key)
+        self.advance_inputs(inp, out[:, 0].long(), torch.ones_like(inp["prefix"]), verified=False)
+        return out
+
+    def advance_inputs(self, inp: dict[str, torch.Tensor], token: torch.Tensor,
+                       committed: torch.Tensor, verified: bool) -> None:
+        """The inputs of the same requests' next step, written in place on the device: the last
+        committed ``token``, lengths and sample counters up by ``committed``, the verify counter
+        by one after a speculative step, exactly what the scheduler would fill from its
+        requests. Padding rows (the dummy slot) stay as they are."""
+        live = inp["slot"] != self.memory.dummy_slot
+        n = torch.where(live, committed, torch.zeros_like(committed))
+        inp["token"].copy_(torch.where(live, token, inp["token"]))
+        inp["prefix"].add_(n)
+        inp["sample_ctr"].add_(n)
+        if verified:
+            inp["verify_ctr"].add_(live.long())
 
     def disable_graphs(self, why: str) -> None:
         """Run every step eagerly: something a step runs cannot be captured (logged once)."""
@@ -117,21 +153,63 @@ class ModelRunner:
         return (kind, key, padded)
 
     @torch.inference_mode()
-    def run_step(self, batch: StepBatch, fn: StepFn, kind: str, width: int) -> torch.Tensor:
-        """Run one step for ``batch``: fill the static inputs (one upload), replay the captured
-        graph of (kind, sampling mode, padded size) or run ``fn`` eagerly, and read the
-        outputs back once. ``width`` = positions the step writes past the committed length."""
-        bs = batch.size
-        key = batch.sampling_key()
+    def launch_step(self, batch: StepBatch | None, fn: StepFn, kind: str, width: int,
+                    prev: Launched | None = None) -> Launched:
+        """Launch one step without waiting for it. With ``batch``: fill the static inputs from
+        it (one upload; nothing may be in flight, so ``collect`` every earlier step first).
+        With None: the step after ``prev`` for the same requests, from the inputs ``prev``
+        advanced on the device. Replays the captured graph of (kind, sampling mode, padded
+        size), else runs ``fn`` eagerly; the outputs are copied to a host buffer behind it.
+        ``width`` = positions the step writes past the committed length."""
+        if batch is not None:
+            bs, key = batch.size, batch.sampling_key()
+        else:
+            bs, key, fn, kind, width = prev.bs, prev.key, prev.fn, prev.kind, prev.width
         padded = self.graphs.padded_size(bs) if self.graphs is not None else None
         if padded is None:
-            self.host_max_seq_len = max(batch.prefix_lens) + width
-            self.inputs.fill(batch, bs)
+            if batch is not None:
+                self.host_max_seq_len = max(batch.prefix_lens) + width
+                self.inputs.fill(batch, bs)
+            else:   # an upper bound: every length grew by at most ``width``
+                self.host_max_seq_len += width
             out = fn(self.inputs.view(bs), key)
-            return out[:bs].cpu()
-        gkey = self.ensure_graph(kind, key, padded, fn)
-        self.inputs.fill(batch, padded)
-        return self.graphs.replay(gkey)[:bs].cpu()
+        else:
+            gkey = (kind, key, padded)
+            if batch is not None:
+                gkey = self.ensure_graph(kind, key, padded, fn)
+                self.inputs.fill(batch, padded)
+            out = self.graphs.replay(gkey)
+        return self._read_later(Launched(kind, fn, key, width, bs, out), out[:bs])
+
+    def _read_later(self, step: Launched, out: torch.Tensor) -> Launched:
+        """Copy ``out`` into the next of two pinned buffers behind the step (CUDA), so the next
+        replay may overwrite the graph's output before the host reads this one."""
+        if out.device.type != "cuda":     # computed already: nothing to overlap
+            step.out = out
+            return step
+        ring = self._readback.get(out.shape[1])
+        if ring is None or ring[0].shape[0] < out.shape[0]:
+            rows = max(out.shape[0], self.inputs.max_bs)
+            ring = [torch.empty(rows, out.shape[1], dtype=out.dtype, pin_memory=True)
+                    for _ in range(2)]
+            self._readback[out.shape[1]] = ring
+        self._turn ^= 1
+        host = ring[self._turn][: out.shape[0]]
+        host.copy_(out, non_blocking=True)
+        step.out, step.event = host, torch.cuda.Event()
+        step.event.record()
+        return step
+
+    @staticmethod
+    def collect(step: Launched) -> list[list[float]]:
+        """The outputs of a launched step, as rows of floats (waits for it)."""
+        if step.event is not None:
+            step.event.synchronize()
+        return step.out.tolist()
+
+    def run_step(self, batch: StepBatch, fn: StepFn, kind: str, width: int) -> list[list[float]]:
+        """Launch one step for ``batch`` and wait for its outputs (tools and tests)."""
+        return self.collect(self.launch_step(batch, fn, kind, width))
 
     # ---- whole prompts (evaluation, parity checks, draft training) -----------------------------
     def _borrow(self, prompts: list[list[int]]):

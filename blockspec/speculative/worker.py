@@ -3,7 +3,8 @@ forward, accept losslessly, commit target state and the draft context.
 
 The whole step is one pure function of the static step inputs and the caches
 (``step_fn``), so the runner replays it as a single CUDA graph per batch size and reads back
-only the accept lengths, tokens and logprobs. The draft context (per draft layer K/V of every
+only the accept lengths, tokens and logprobs; it ends by advancing those inputs (bonus token,
+lengths, counters), so the next step can start before this one is read back. The draft context (per draft layer K/V of every
 committed token, projected from the target's captured hidden states) lives in a paged pool on
 the target's block tables: the draft block writes its own K/V at the block positions, and the
 verify's captured rows overwrite them with the real context; rows past a request's committed
@@ -17,7 +18,7 @@ from blockspec.args import EngineArgs
 from blockspec.attention import create_backend
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.runtime.metadata import Mode, StepBatch, same_rows, uniform_metadata
-from blockspec.runtime.model_runner import ModelRunner
+from blockspec.runtime.model_runner import Launched, ModelRunner
 from blockspec.sampling import Stream, logprobs_of, uniforms
 from blockspec.speculative.accept import verify_block
 from blockspec.speculative.draft_head import make_draft_head
@@ -39,7 +40,9 @@ class SpecWorker:
         self.is_dspark = cfg.algorithm == "dspark"
         self.pool = self.memory.add_draft_pool(cfg.num_hidden_layers, draft.num_kv_heads,
                                                draft.head_dim, dtype)
-        self.memory.set_lookahead(self.width)
+        self.memory.set_step_width(self.width)
+        if self.memory.mamba is not None:
+            self.memory.mamba.ensure_verify(self.width)
         runner.capture_layers = tuple(i + 1 for i in cfg.target_layer_ids)
         self.attn = create_backend(draft_backend)
         if not self.attn.supports_cuda_graph:   # a step is one graph: every backend in it must capture
@@ -57,12 +60,16 @@ class SpecWorker:
         self.draft.write_context(aux, rows[0], rows[1], self.pool)
 
     # ---- one step --------------------------------------------------------------------------
-    def step(self, batch: StepBatch) -> list[tuple[int, list[int], list[float]]]:
+    def launch(self, batch: StepBatch | None, prev: Launched | None = None) -> Launched:
+        """Launch a speculative step for ``batch``, or (None) the next one of ``prev``'s
+        requests from the inputs it advanced on the device (``ModelRunner.launch_step``)."""
+        return self.runner.launch_step(batch, self.step_fn, "spec", self.width, prev)
+
+    def results(self, step: Launched) -> list[tuple[int, list[int], list[float]]]:
         """(accepted drafts a, the a + 1 committed tokens, their logprobs) per request."""
-        out = self.runner.run_step(batch, self.step_fn, "spec", self.width)
         T = self.width
         res = []
-        for row in out.tolist():     # one conversion: this runs while the GPU waits
+        for row in self.runner.collect(step):    # one conversion of the step's output
             a = int(row[0])
             res.append((a, [int(t) for t in row[1:a + 2]], row[1 + T:T + a + 2]))
         return res
@@ -117,6 +124,7 @@ class SpecWorker:
             m.mamba.commit_verify(slots, acc)
         draft.write_context(out.aux_hidden, vmeta.positions, vmeta.out_slots, self.pool)
         toks = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, acc[:, None], bonus[:, None])
+        self.runner.advance_inputs(inp, bonus, acc + 1, verified=True)
         if want_lp:
             lps = logprobs_of(logits.reshape(B * T, -1), toks.reshape(-1)).view(B, T)
         else:
