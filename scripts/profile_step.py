@@ -151,10 +151,14 @@ def main() -> None:
         draft = presets.build_draft(a.draft, presets.preset_config(a.preset), block, dev, torch.bfloat16)
     bs = a.batch_size
     e = Engine.from_model(model, draft=draft, max_running_requests=max(bs, 1),
-                          max_total_tokens=bs * (a.context + 256), cuda_graph_max_bs=max(bs, 1),
+                          max_total_tokens=bs * (a.context + 128 + 64 * max(a.width, 1)),
+                          cuda_graph_max_bs=max(bs, 1),
                           speculative_draft_lm_head=a.draft_lm_head)
     runner = e.runner
-    held = [e.memory.admit(a.context + 64) for _ in range(bs)]
+    # every step advances its inputs on the device (the scheduler's overlap needs it), so the
+    # 60 timed replays run at contexts from --context up: reserve them all
+    span = a.context + 64 + 64 * max(a.width, 1)
+    held = [e.memory.admit(span) for _ in range(bs)]
     batch = StepBatch(slots=[h.slot for h in held], prefix_lens=[a.context] * bs, tokens=[5] * bs,
                       temperature=[0.0] * bs, top_k=[-1] * bs, top_p=[1.0] * bs, min_p=[0.0] * bs,
                       seeds=list(range(bs)), sample_counters=[0] * bs, verify_counters=[0] * bs)
