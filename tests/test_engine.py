@@ -132,3 +132,27 @@ def test_meta_info_timing_and_step_hook(engine):
         meta = o["meta_info"]
         assert 0 < meta["ttft"] <= meta["e2e_latency"]
         assert meta["output_throughput"] == pytest.approx(5 / meta["e2e_latency"])
+
+
+def test_steps_overlap_and_finished_rows_are_dropped(engine, monkeypatch):
+    """While the running requests stay the same, each step is launched from the inputs the
+    previous one advanced on the device (a continuation), before the previous one is read
+    back; a request that finishes is computed one step too far and that row is dropped, so
+    every request still gets exactly its own tokens, and the cache reserves two steps."""
+    from blockspec.runtime.model_runner import ModelRunner
+
+    kinds = []
+    orig = ModelRunner.launch_step
+    monkeypatch.setattr(ModelRunner, "launch_step",
+                        lambda self, batch, *a, **kw: kinds.append(batch is None)
+                        or orig(self, batch, *a, **kw))
+    lens = [3, 9, 5, 14]
+    sp = [{**GREEDY, "max_new_tokens": n} for n in lens]
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=sp)
+    assert [len(o["output_ids"]) for o in outs] == lens
+    assert kinds.count(True) >= 8 and kinds.count(False) >= 3     # continued, refilled on finishes
+    monkeypatch.setattr(ModelRunner, "launch_step", orig)
+    for o, p, n in zip(outs, PROMPTS, lens):        # alone, each request decodes the same tokens
+        assert engine.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": n}
+                               )["output_ids"] == o["output_ids"]
+    assert engine.memory.lookahead == 2 * engine.memory.step_width == 2
