@@ -6,8 +6,8 @@ capturing it records every kernel of the forward(s), the sampler and, for specul
 acceptance and commit. Batches are padded to the next captured size with rows that point at
 the memory manager's dummy slot. Graphs are captured lazily, the first time a key is needed
 (``ModelRunner.ensure_graph`` then also captures the smaller sizes the batch can shrink into),
-and share one memory pool (they never run concurrently, and each step's outputs are read back
-before the next replay).
+and share one memory pool (they never run concurrently, and each step's outputs are copied out
+behind it, on the same stream, before the next replay can overwrite them).
 """
 from __future__ import annotations
 
