@@ -42,13 +42,13 @@ def test_simulated_proposals_are_distinct_random_tokens():
     """Under simulated acceptance the verify sees uniformly random proposals (a random
     draft's argmax repeats tokens and would route the verify to too few experts): a block's
     tokens are nearly always distinct and change from step to step."""
+    from blockspec.sampling import Stream, uniforms
     from blockspec.speculative.worker import SpecWorker
 
-    w = object.__new__(SpecWorker)
-    w.gamma = 5
-    inp = {"seed": torch.tensor([7, 8, 9]), "verify_ctr": torch.tensor([0, 0, 3])}
-    a = w._simulated_proposals(inp, 131072)
-    b = w._simulated_proposals({**inp, "verify_ctr": inp["verify_ctr"] + 1}, 131072)
+    seeds, ctr = torch.tensor([7, 8, 9]), torch.tensor([0, 0, 3])
+    draw = lambda c: uniforms(seeds, c, Stream.SIMULATE, 1 + 5)[:, 1:]   # as step_fn draws
+    a = SpecWorker._simulated_proposals(draw(ctr), 131072)
+    b = SpecWorker._simulated_proposals(draw(ctr + 1), 131072)
     assert a.shape == (3, 5) and a.dtype == torch.int64
     assert int(a.min()) >= 0 and int(a.max()) < 131072
     assert all(len(set(row)) == 5 for row in a.tolist())

@@ -95,8 +95,10 @@ class SpecWorker:
                                           greedy_only=greedy_only, with_probs=not greedy_only)
         else:
             drafts, q = base.argmax(-1), None        # argmax drafting: q is a point mass
-        if self.simulate_accept_length is not None:
-            drafts = self._simulated_proposals(inp, base.shape[-1])
+        u_sim = None
+        if self.simulate_accept_length is not None:   # benchmark mode: one draw per step
+            u_sim = uniforms(inp["seed"], inp["verify_ctr"], Stream.SIMULATE, 1 + self.gamma)
+            drafts = self._simulated_proposals(u_sim[:, 1:], base.shape[-1])
 
         cand = torch.cat([anchor[:, None], drafts], dim=1)
         if Q == T:      # the verify reads the draft block's own positions
@@ -109,8 +111,8 @@ class SpecWorker:
         out = target(vmeta)
         logits = out.logits.view(B, T, -1)
 
-        if self.simulate_accept_length is not None:
-            acc, bonus = self._simulated(inp, logits)
+        if u_sim is not None:
+            acc, bonus = self._simulated(u_sim[:, 0], logits)
         else:
             u = None
             if not greedy_only:
@@ -138,24 +140,23 @@ class SpecWorker:
             return self.head(h).float()
         return self.draft.compute_logits(h, self.target)
 
-    def _simulated_proposals(self, inp: dict[str, torch.Tensor], vocab: int) -> torch.Tensor:
-        """Benchmark mode: the block's proposals are uniformly random tokens (from the
-        simulation's own stream, columns 1..γ), after the draft has run as usual. A random-weight
-        draft's argmax repeats tokens within a block, so its verify would route to fewer MoE
-        experts (and read fewer weights) than a trained draft's distinct tokens; random tokens
-        are the conservative stand-in."""
-        u = uniforms(inp["seed"], inp["verify_ctr"], Stream.SIMULATE, 1 + self.gamma)[:, 1:]
+    @staticmethod
+    def _simulated_proposals(u: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Benchmark mode: the block's proposals are uniformly random tokens (``u`` [B, γ]:
+        columns 1..γ of the step's simulation draw), after the draft has run as usual. A
+        random-weight draft's argmax repeats tokens within a block, so its verify would route
+        to fewer MoE experts (and read fewer weights) than a trained draft's distinct tokens;
+        random tokens are the conservative stand-in."""
         return (u * vocab).long().clamp_max(vocab - 1)
 
-    def _simulated(self, inp: dict[str, torch.Tensor], logits: torch.Tensor
+    def _simulated(self, u: torch.Tensor, logits: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Benchmark mode (sglang's simulated acceptance): a step accepts floor(τ-1) or
-        ceil(τ-1) drafts, mixed so the mean committed length is τ; the bonus is the target's
-        argmax after them. The output is not the target's: this times steps as if a trained
-        draft were attached."""
+        ceil(τ-1) drafts, mixed so the mean committed length is τ (``u`` [B]: column 0 of the
+        step's simulation draw); the bonus is the target's argmax after them. The output is not
+        the target's: this times steps as if a trained draft were attached."""
         mean = min(max(self.simulate_accept_length - 1.0, 0.0), float(self.gamma))
         lo = int(mean)
-        u = uniforms(inp["seed"], inp["verify_ctr"], Stream.SIMULATE, 1)[:, 0]
         acc = (lo + (u < mean - lo).long()).clamp_max(self.gamma)
         bonus = logits.argmax(-1).gather(1, acc[:, None])[:, 0]
         return acc, bonus
