@@ -170,8 +170,6 @@ def main() -> None:
 
         m = e.memory
         m.set_step_width(a.width)
-        if m.mamba is not None:
-            m.mamba.ensure_verify(a.width)
 
         # distinct random tokens: one token repeated would route every position alike
         rand_ids = torch.randint(3, model.cfg.vocab_size, (bs, a.width), device=dev)

@@ -43,8 +43,11 @@ def _histogram(outs):
 @pytest.mark.parametrize("block", [2, 3, 4, 6, 8, 12, 16])
 def test_greedy_token_exact(target, block):
     root, folder, ref = target
-    outs = _spec_engine(folder, _draft(root, block)).generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    e = _spec_engine(folder, _draft(root, block))
+    outs = e.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == ref
+    # two verify widths reserved (the step in flight), a verify scratch of one width
+    assert e.memory.lookahead == 2 * block and e.memory.mamba.step_scratch.shape[2] == block
     hist = _histogram(outs)
     assert len(hist) == block
     if block <= 6:   # short blocks: every acceptance length 0..B-1 must actually occur

@@ -141,3 +141,4 @@ def test_step_scratch_is_small():
     m = _mixer()
     pool = Pool(m, 2, 6, torch.Generator().manual_seed(0))
     assert pool.p.step_scratch.shape == (1, 2, 6, m.H + m.H * m.P + m.G * m.N)
+    assert pool.p.inputs_per_position == m.H + m.H * m.P + m.G * m.N

@@ -86,7 +86,7 @@ class MambaStatePool:
         self.step_scratch: torch.Tensor | None = None
 
     @property
-    def step_width(self) -> int:
+    def inputs_per_position(self) -> int:
         """Floats of one position's recurrence inputs: H + H*P + G*N."""
         _, _, H, P, N = self.ssm.shape
         return H + H * P + self.groups * N
@@ -96,7 +96,7 @@ class MambaStatePool:
             return
         L, S, C, _ = self.conv.shape
         self.xbc_scratch = torch.zeros(L, S, width, C, dtype=self.conv.dtype, device=self.conv.device)
-        self.step_scratch = torch.zeros(L, S, width, self.step_width, dtype=torch.float32,
+        self.step_scratch = torch.zeros(L, S, width, self.inputs_per_position, dtype=torch.float32,
                                         device=self.ssm.device)
 
     def reset(self, slot: int) -> None:
@@ -208,9 +208,12 @@ class MemoryManager:
         """Positions one step may write past the committed length (1 for AR, the verify width
         for speculation). ``STEPS_IN_FLIGHT`` such steps are reserved at admission: the
         scheduler launches the next step before it has read the current one back, so a request
-        that finishes may still be written by the step after (whose rows are then dropped)."""
+        that finishes may still be written by the step after (whose rows are then dropped).
+        A width above 1 is a verify's: the Mamba pool gets its verify scratch."""
         self.step_width = width
         self.lookahead = STEPS_IN_FLIGHT * width
+        if width > 1 and self.mamba is not None:
+            self.mamba.ensure_verify(width)
 
     # ---- capacity ----------------------------------------------------------------------------
     @property

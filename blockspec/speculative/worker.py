@@ -41,8 +41,6 @@ class SpecWorker:
         self.pool = self.memory.add_draft_pool(cfg.num_hidden_layers, draft.num_kv_heads,
                                                draft.head_dim, dtype)
         self.memory.set_step_width(self.width)
-        if self.memory.mamba is not None:
-            self.memory.mamba.ensure_verify(self.width)
         runner.capture_layers = tuple(i + 1 for i in cfg.target_layer_ids)
         self.attn = create_backend(draft_backend)
         if not self.attn.supports_cuda_graph:   # a step is one graph: every backend in it must capture
