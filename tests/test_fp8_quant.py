@@ -259,3 +259,25 @@ def test_fp8_linear_takes_its_input_prequantized():
     lin.input_scale.fill_(0.0)                      # no static scale: the linear quantizes
     with torch.inference_mode():
         assert lin.fused_input_scale(x) is None
+
+
+def test_norm_modules_with_fp8_output_on_the_reference_path():
+    """Off the fused path the norm modules still honour ``fp8_scale``: their torch output,
+    quantized by the reference cast (what a caller of either path receives)."""
+    from blockspec.layers.norm import GatedGroupRMSNorm, RMSNorm
+
+    g = torch.Generator().manual_seed(11)
+    scale = torch.tensor(0.021)
+    norm = RMSNorm(96, 1e-5, dtype=torch.bfloat16)
+    norm.weight.data = (1 + 0.3 * torch.randn(96, generator=g)).to(torch.bfloat16)
+    x = (4 * torch.randn(3, 96, generator=g)).to(torch.bfloat16)
+    r = torch.randn(3, 96, generator=g).to(torch.bfloat16)
+    _assert_same_bits(norm(x, fp8_scale=scale), quantize_fp8_act_reference(norm.reference(x), scale), x)
+    h, y = norm.add_forward(x, r, fp8_scale=scale)
+    assert torch.equal(h, x + r)
+    _assert_same_bits(y, quantize_fp8_act_reference(norm.reference(x + r), scale), h)
+    gated = GatedGroupRMSNorm(64, 16, 1e-5, dtype=torch.bfloat16)
+    v, z = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    want = gated.reference(v, z)
+    _assert_same_bits(gated(v, z, fp8_scale=scale), quantize_fp8_act_reference(want, scale), want)
+    assert norm(x).dtype == torch.bfloat16                        # no scale: unchanged
