@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md. Usage: scripts/gpu_run.sh STAGE... (logs to $OUT)
-#   tests      GPU test files (runtime, engine, kernels)
+#   tests      every GPU-marked test (pytest -m gpu tests)
 #   profile    lightning-mini step profiles (AR, DFlash, DSpark, verify alone, quantized AR)
 #   mini       lightning-mini benches: AR / DFlash / DSpark, bf16 and quantized, graphs vs eager
 #   ratio      lightning-mini batch 1, 512 tokens x 5 repeats: AR, DSpark, DFlash (#10's step ratios)
@@ -18,12 +18,7 @@ for stage in "$@"; do
 case "$stage" in
 tests)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-  timeout 330 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_engine.py \
-      tests/test_moe_grouped.py tests/test_kernels.py tests/test_markov_walk.py \
-      tests/test_moe_pairs.py tests/test_moe_combine.py tests/test_rotary_kernel.py \
-      tests/test_moe_routing.py tests/test_draft_kv.py tests/test_relu2.py tests/test_draft_head.py \
-      tests/test_w4a16_tuned.py tests/test_fp8_quant.py tests/test_pair_w4a16.py \
-      tests/test_router_gemv.py tests/test_triton_w4a16.py -q -p no:cacheprovider \
+  timeout 420 python3 -m pytest -m gpu tests -q -p no:cacheprovider \
       -o addopts="" -rf 2>&1 | tail -60 > "$OUT/gpu_tests.log"; tail -15 "$OUT/gpu_tests.log"
   ;;
 profile)
