@@ -207,10 +207,6 @@ class ModelRunner:
             step.event.synchronize()
         return step.out.tolist()
 
-    def run_step(self, batch: StepBatch, fn: StepFn, kind: str, width: int) -> list[list[float]]:
-        """Launch one step for ``batch`` and wait for its outputs (tools and tests)."""
-        return self.collect(self.launch_step(batch, fn, kind, width))
-
     # ---- whole prompts (evaluation, parity checks, draft training) -----------------------------
     def _borrow(self, prompts: list[list[int]]):
         m = self.memory
