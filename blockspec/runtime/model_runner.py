@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -43,7 +43,7 @@ class Launched:
     bs: int
     out: torch.Tensor                  # [bs, cols] host tensor (pinned on CUDA)
     event: torch.cuda.Event | None = None
-    tag: object = field(default=None)  # the caller's (the scheduler's requests)
+    tag: object = None                 # the caller's (the scheduler's requests)
 
 
 @dataclass
