@@ -135,7 +135,8 @@ def decode_problems() -> list[Problem]:
 
 def random_nvfp4(shape: tuple[int, ...], gen: torch.Generator, device: torch.device | str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random packed NVFP4 weights [.., N, K] (any byte is a valid pair of E2M1 codes; block
+    """Random packed NVFP4 weights [.., N, K] (any byte is a valid pair of E2M1 codes, in either
+    layout: the kernel's is a permutation of the checkpoint's words; block
     scales in [0.5, 4)): made directly, since quantizing 128 experts per worker costs more
     than the speed of a kernel that never looks at the values could tell apart."""
     *lead, n, k = shape

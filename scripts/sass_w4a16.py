@@ -19,6 +19,7 @@ p.add_argument("--block-k", type=int, default=128)
 p.add_argument("--warps", type=int, default=2)
 p.add_argument("--stages", type=int, default=3)
 p.add_argument("--maxnreg", type=int)
+p.add_argument("--swap", action="store_true", help="W @ x^T (wgmma, x in shared memory)")
 p.add_argument("--dense", action="store_true", help="a dense call instead of the pair mode")
 p.add_argument("--sass", help="also write the whole SASS here")
 a = p.parse_args()
@@ -28,7 +29,7 @@ names = list(kern.arg_names)
 ptrs = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "ws2_ptr": "*fp32", "out_ptr": "*bf16",
         "part_ptr": "*bf16", "cnt_ptr": "*fp32", "blk_expert_ptr": "*i32", "blk_row0_ptr": "*i32",
         "blk_row1_ptr": "*i32"}
-const = dict(BLOCK_M=16, BLOCK_N=a.block_n, BLOCK_K=a.block_k, SLICES=1, SPLIT=1, SWAP=False,
+const = dict(BLOCK_M=16, BLOCK_N=a.block_n, BLOCK_K=a.block_k, SLICES=1, SPLIT=1, SWAP=a.swap,
              DECODE=1, GROUPED=False, EVEN_N=True, MASK_K=False, SCALE_WORDS=a.block_k >= 128,
              K_ITERS=0)
 if a.dense:

@@ -9,13 +9,15 @@ import torch
 
 from blockspec.checkpoint import load_tensors
 from blockspec.quant import triton_w4a16 as tw
+from blockspec.quant.w4a16_layout import to_kernel_layout
 
 folder = Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/modelopt/w4a16_nvfp4")
 t = load_tensors(folder)
 worst: dict[str, float] = {}
 for name in sorted(n for n in t if n.endswith(".weight_scale_2")):
     p = name[: -len(".weight_scale_2")]
-    w, s, s2 = (t[p + ".weight"].cuda(), t[p + ".weight_scale"].cuda(), t[p + ".weight_scale_2"].cuda())
+    w, s, s2 = (to_kernel_layout(t[p + ".weight"].cuda()), t[p + ".weight_scale"].cuda(),
+                t[p + ".weight_scale_2"].cuda())
     for m in (1, 2, 7, 16):
         x = torch.randn(m, w.shape[1] * 2, device="cuda", dtype=torch.bfloat16)
         ref = tw.w4a16_linear_reference(x, w, s, s2).float()

@@ -10,6 +10,7 @@ import torch
 
 from blockspec.quant import triton_w4a16 as tw
 from blockspec.quant.nvfp4 import quantize_nvfp4
+from blockspec.quant.w4a16_layout import to_kernel_layout
 
 needs_triton = pytest.mark.skipif(not tw.triton_available(), reason="triton not importable")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -24,7 +25,8 @@ def _experts(e, n, k, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     packed = [quantize_nvfp4((torch.randn(n, k, generator=g) * 0.05 * (1 + i % 3)).bfloat16())
               for i in range(e)]
-    return tuple(torch.stack([p[j] for p in packed]).to(device) for j in range(3))
+    w, s, s2 = (torch.stack([p[j] for p in packed]).to(device) for j in range(3))
+    return to_kernel_layout(w), s, s2       # the kernels' layout
 
 
 def _ids(tokens, topk, e, seed, device="cpu", shared=0):

@@ -14,6 +14,7 @@ import torch
 from blockspec.quant import triton_w4a16 as tw
 from blockspec.layers.moe import sort_by_expert
 from blockspec.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from blockspec.quant.w4a16_layout import from_kernel_layout, to_kernel_layout
 
 needs_triton = pytest.mark.skipif(not tw.triton_available(), reason="triton not importable")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -24,18 +25,24 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _weights(n, k, seed, scale=0.05, device="cpu", experts=None):
+    """Random NVFP4 weights, packed in the kernel's layout (what the kernels take)."""
     g = torch.Generator().manual_seed(seed)
     if experts is None:
         w = (torch.randn(n, k, generator=g) * scale).bfloat16()
         p, s, s2 = quantize_nvfp4(w)
-        return p.to(device), s.to(device), s2.to(device)
+        return to_kernel_layout(p).to(device), s.to(device), s2.to(device)
     ps, ss, s2s = [], [], []
     for e in range(experts):
         w = (torch.randn(n, k, generator=g) * scale * (1 + e % 3)).bfloat16()
         p, s, s2 = quantize_nvfp4(w)
         ps.append(p), ss.append(s), s2s.append(s2)
-    return (torch.stack(ps).to(device), torch.stack(ss).to(device),
+    return (to_kernel_layout(torch.stack(ps)).to(device), torch.stack(ss).to(device),
             torch.stack(s2s).to(device))
+
+
+def _exact(p, s, s2, dtype):
+    """The exactly dequantized weight of kernel-layout packed ``p``."""
+    return dequantize_nvfp4(from_kernel_layout(p), s, s2, dtype)
 
 
 def test_expert_blocks_cover_rows_without_straddling():
@@ -65,28 +72,27 @@ def interpreter(monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("m, n, k, split_k, block_k", [
-    (1, 48, 64, None, 64), (5, 40, 96, 2, 64), (20, 70, 160, 3, 32), (33, 24, 32, 1, 32),
+    (1, 48, 64, None, 64), (5, 40, 96, 2, 64), (20, 70, 160, 3, 64), (33, 24, 32, 1, 64),
 ])
 def test_dense_kernel_interpreter(interpreter, m, n, k, split_k, block_k):
     p, s, s2 = _weights(n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).bfloat16()
-    y = tw.w4a16_linear(x, p, s, s2, variant="v1", split_k=split_k, block_k=block_k,
-                        block_n=32)
+    y = tw.w4a16_linear(x, p, s, s2, split_k=split_k, block_k=block_k, block_n=32)
     ref = tw.w4a16_linear_reference(x, p, s, s2)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     assert _rel(y, ref) <= 1e-2
     # the bf16 weight tile is the exact dequantized weight: only summation order differs
-    exact = x.float() @ dequantize_nvfp4(p, s, s2, torch.bfloat16).float().T
+    exact = x.float() @ _exact(p, s, s2, torch.bfloat16).float().T
     assert _rel(y, exact) <= 4e-3
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("variant", ["v2", "v2w"])
 def test_dense_kernel_bias_and_leading_dims(interpreter, variant):
     p, s, s2 = _weights(32, 64, seed=3)
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(8)).bfloat16()
     bias = torch.randn(32).bfloat16()
-    y = tw.w4a16_linear(x, p, s, s2, bias, variant=variant, block_k=64, block_n=32)
+    y = tw.w4a16_linear(x, p, s, s2, bias, variant=variant, block_k=64, block_n=64)
     ref = tw.w4a16_linear_reference(x, p, s, s2, bias)
     assert y.shape == (2, 3, 32) and _rel(y, ref) <= 1e-2
 
@@ -98,8 +104,7 @@ def test_grouped_kernel_interpreter(interpreter):
     offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist())
     x = torch.randn(sum(counts), 64, generator=torch.Generator().manual_seed(9)).bfloat16()
     for split in (1, 2):
-        y = tw.grouped_w4a16(x, offsets, w, s, s2, variant="v1", block_k=32, block_n=16,
-                             split_k=split)
+        y = tw.grouped_w4a16(x, offsets, w, s, s2, block_k=64, block_n=16, split_k=split)
         ref = tw.grouped_w4a16_reference(x, offsets, w, s, s2)
         assert _rel(y, ref) <= 1e-2
         for e in (0, 2, 3):  # each expert's rows really used its own weights
@@ -128,7 +133,7 @@ def test_dense_v2_interpreter(interpreter, variant, m, n, k, cfg):
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     # v2 multiplies exact E2M1 * E4M3 products and applies weight_scale_2 in fp32: against the
     # exact fp32 product only the bf16 output rounding remains.
-    exact = x.float() @ dequantize_nvfp4(p, s, s2, torch.float32).T
+    exact = x.float() @ _exact(p, s, s2, torch.float32).T
     assert _rel(y, exact) <= 3e-3
     assert _rel(y, tw.w4a16_linear_reference(x, p, s, s2)) <= 1e-2
 
@@ -169,8 +174,8 @@ def test_grouped_offsets_cover_the_first_experts_of_a_longer_stack(interpreter):
 def test_variant_selection(monkeypatch):
     monkeypatch.delenv(tw.VARIANT_ENV, raising=False)
     assert tw.default_variant() == "v2"          # picked by the H200 run (docs/benchmarks.md)
-    monkeypatch.setenv(tw.VARIANT_ENV, "v1")
-    assert tw.default_variant() == "v1"
+    monkeypatch.setenv(tw.VARIANT_ENV, "v2t")
+    assert tw.default_variant() == "v2t"
     monkeypatch.setenv(tw.VARIANT_ENV, "v9")
     with pytest.raises(ValueError, match="v9"):
         tw.default_variant()
@@ -198,8 +203,9 @@ def _gpu_weights(n, k, experts=None):
     if experts is not None:
         w = w * (1 + torch.arange(experts, device="cuda") % 3)[:, None, None]
         ps, ss, s2s = zip(*(quantize_nvfp4(w[e].bfloat16()) for e in range(experts)))
-        return torch.stack(ps), torch.stack(ss), torch.stack(s2s)
-    return quantize_nvfp4(w.bfloat16())
+        return to_kernel_layout(torch.stack(ps)), torch.stack(ss), torch.stack(s2s)
+    p, s, s2 = quantize_nvfp4(w.bfloat16())
+    return to_kernel_layout(p), s, s2
 
 
 @gpu
@@ -220,7 +226,7 @@ def test_dense_kernel_gpu(variant, n, k, m):
 @gpu
 @needs_cuda
 @needs_triton
-@pytest.mark.parametrize("variant", [v for v in tw.VARIANTS if v != "v1"])
+@pytest.mark.parametrize("variant", tw.VARIANTS)
 def test_v2_decode_exact_on_gpu(variant):
     """Every code, subnormal E4M3 block scales and all-zero blocks: each output row must equal
     the exact fp32 product up to the bf16 output rounding (a wrong decode of a rare code or of a
@@ -237,7 +243,7 @@ def test_v2_decode_exact_on_gpu(variant):
     assert (s.view(torch.uint8)[1:32] < 8).sum() > 100  # many scales really are subnormal
     x = torch.randn(16, k, device="cuda", generator=g).bfloat16()
     exact = x.double() @ dequantize_nvfp4(p, s, s2, torch.float32).double().T
-    y = tw.w4a16_linear(x, p, s, s2, variant=variant).double()
+    y = tw.w4a16_linear(x, to_kernel_layout(p), s, s2, variant=variant).double()
     norm = exact.norm(dim=0)
     err = (y - exact).norm(dim=0) / norm.clamp_min(1e-30)
     assert err[norm > 0].max() <= 4e-3
@@ -246,7 +252,7 @@ def test_v2_decode_exact_on_gpu(variant):
 @gpu
 @needs_cuda
 @needs_triton
-@pytest.mark.parametrize("variant", [v for v in tw.VARIANTS if v != "v1"])
+@pytest.mark.parametrize("variant", tw.VARIANTS)
 def test_v2_split_k_counters_replay_in_cuda_graph(variant):
     """The in-kernel split-K reduction resets its tile counters: eager calls and CUDA-graph
     replays keep giving the right answer."""
@@ -305,6 +311,7 @@ def test_nvfp4_linear_module_on_gpu_matches_cpu():
     from blockspec.quant.linear import make_quant_linear
 
     p, s, s2 = _weights(256, 512, seed=5)
+    p = from_kernel_layout(p)             # a checkpoint's bytes
     mod = make_quant_linear("w4a16_nvfp4", 512, 256, prefix="t")
     mod.weight.copy_(p), mod.weight_scale.copy_(s), mod.weight_scale_2.copy_(s2)
     x = torch.randn(8, 512).bfloat16()
@@ -312,3 +319,7 @@ def test_nvfp4_linear_module_on_gpu_matches_cpu():
     gpu = mod.to("cuda")(x.cuda())
     assert mod.weight.dtype == torch.uint8 and mod.weight.is_cuda
     assert _rel(gpu.cpu(), cpu) <= 1e-2
+    # the kernel converted the weight in place; the state dict and the reference keep the
+    # checkpoint's bytes and values
+    assert mod.kernel_layout and torch.equal(mod.state_dict()["weight"].cpu(), p)
+    assert torch.equal(mod.cpu()(x), cpu)

@@ -198,12 +198,16 @@ def spy(monkeypatch):
 def _weights(n, k, experts=None, seed=0):
     from blockspec.quant.nvfp4 import quantize_nvfp4
 
+    from blockspec.quant.w4a16_layout import to_kernel_layout
+
     g = torch.Generator().manual_seed(seed)
     if experts is None:
-        return quantize_nvfp4((torch.randn(n, k, generator=g) * 0.05).bfloat16())
+        p, s, s2 = quantize_nvfp4((torch.randn(n, k, generator=g) * 0.05).bfloat16())
+        return to_kernel_layout(p), s, s2
     parts = [quantize_nvfp4((torch.randn(n, k, generator=g) * 0.05).bfloat16())
              for _ in range(experts)]
-    return tuple(torch.stack(t) for t in zip(*parts))
+    w, s, s2 = (torch.stack(t) for t in zip(*parts))
+    return to_kernel_layout(w), s, s2
 
 
 @needs_triton

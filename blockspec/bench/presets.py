@@ -102,7 +102,7 @@ def build_target(name: str, device: torch.device, dtype: torch.dtype, quantized:
     from blockspec.layers.moe import MoE
     from blockspec.models.nemotron_h import NemotronHForCausalLM
     from blockspec.models.nemotron_h_config import NemotronHConfig
-    from blockspec.quant.linear import prepare_fp8
+    from blockspec.quant.linear import prepare_fp8, prepare_w4a16
 
     cfg = NemotronHConfig.from_dict(preset_config(name))
     with torch.device(device):
@@ -112,6 +112,7 @@ def build_target(name: str, device: torch.device, dtype: torch.dtype, quantized:
         if isinstance(m, MoE):
             m.prepare_grouped()
     prepare_fp8(model)
+    prepare_w4a16(model)
     return model.eval()
 
 

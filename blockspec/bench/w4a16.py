@@ -2,7 +2,7 @@
 
     python -m blockspec.bench.w4a16 --out w4a16.json [--quick] [--jobs 8]
 
-For every shape (N x K) and M in {1, 4, 8, 16, 64}, each kernel variant (``v1``, ``v2``,
+For every shape (N x K) and M in {1, 4, 8, 16, 64}, each kernel variant (``v2``,
 ``v2t``, ``v2w``; see ``blockspec.quant.triton_w4a16``) runs with its default tile config and a
 few alternatives.  Every (variant, config) is first checked against the pure-torch reference
 (relative error <= 1e-2); one that is wrong or fails to compile is skipped and reported, never
@@ -46,7 +46,6 @@ TOL = 1e-2
 # matter (rows per CTA, K block, warps, pipeline depth, in-CTA K slices, split-K) without
 # compiling a full grid.
 WIDE_N = {  # lm_head
-    "v1": [{}],
     "v2": [{}, {"num_warps": 4}, {"num_stages": 2}, {"num_stages": 4}, {"block_n": 64},
            {"block_n": 128, "block_k": 64, "num_warps": 4},
            {"block_n": 256, "block_k": 64, "num_warps": 8},
@@ -57,7 +56,6 @@ WIDE_N = {  # lm_head
     "v2t": [{}],
 }
 NARROW_N = {  # experts and the shared expert
-    "v1": [{}],
     "v2": [{}, {"block_n": 32}, {"block_n": 64, "block_k": 64, "k_slices": 4},
            {"block_n": 128}, {"split_k": 1}, {"split_k": 2}, {"split_k": 4}, {"split_k": 8},
            {"num_stages": 4}, {"num_warps": 2}],
@@ -66,12 +64,11 @@ NARROW_N = {  # experts and the shared expert
 }
 M64_EXTRA = {"v2": [{"block_m": 16}, {"block_m": 64}]}  # M = 64 only (default: 32 or 64)
 GROUPED_CFGS = {
-    "v1": [{}],
     "v2": [{}, {"block_n": 32}, {"block_n": 64, "block_k": 64, "k_slices": 4}],
     "v2w": [{}],
     "v2t": [{}],
 }
-QUICK = {"v1": [{}], "v2": [{}], "v2w": [{}], "v2t": [{}]}
+QUICK = {"v2": [{}], "v2w": [{}], "v2t": [{}]}
 
 
 def read_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
@@ -120,12 +117,14 @@ def _dense_problem(name: str) -> tuple:
     """Packed weights of one shape (made once per process), plus the exact bf16 weight."""
     if ("dense", name) not in _CACHE:
         from blockspec.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+        from blockspec.quant.w4a16_layout import to_kernel_layout
 
         n, k = SHAPES[name]
         g = torch.Generator(device="cuda").manual_seed(n * 131 + k)
         packed, scale, scale2 = quantize_nvfp4(
             (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16())
         w_bf16 = dequantize_nvfp4(packed, scale, scale2, torch.bfloat16)
+        packed = to_kernel_layout(packed)
         _CACHE.clear()  # one shape at a time: lm_head alone is ~1 GB with its bf16 copy
         _CACHE[("dense", name)] = (packed, scale, scale2, w_bf16)
     return _CACHE[("dense", name)]
@@ -134,13 +133,15 @@ def _dense_problem(name: str) -> tuple:
 def _grouped_problem(name: str) -> tuple:
     if ("grouped", name) not in _CACHE:
         from blockspec.quant.nvfp4 import quantize_nvfp4
+        from blockspec.quant.w4a16_layout import to_kernel_layout
 
         n, k = SHAPES[name]
         g = torch.Generator(device="cuda").manual_seed(n + k)
         parts = [quantize_nvfp4((torch.randn(n, k, device="cuda", generator=g) * 0.02)
                                 .bfloat16()) for _ in range(EXPERTS)]
         _CACHE.clear()
-        _CACHE[("grouped", name)] = tuple(torch.stack(t) for t in zip(*parts))
+        w, s, s2 = (torch.stack(t) for t in zip(*parts))
+        _CACHE[("grouped", name)] = (to_kernel_layout(w), s, s2)
     return _CACHE[("grouped", name)]
 
 
@@ -296,9 +297,6 @@ def _summarize(rec: dict) -> dict:
     best = min(ok, key=lambda r: r["ms"], default=None)
     rec["best"] = best and {k: best[k] for k in ("name", "variant", "config", "ms", "gbs",
                                                    "frac_read", "frac_nominal")}
-    v1 = rec["variants"].get("v1", {}).get("default_ms")
-    if best and v1:
-        rec["best_speedup_vs_v1"] = v1 / best["ms"]
     if best and rec.get("torch_bf16_ms"):
         rec["best_speedup_vs_bf16"] = rec["torch_bf16_ms"] / best["ms"]
     return rec
@@ -323,7 +321,7 @@ def recommend(records: list[dict]) -> dict:
         return out
 
     by_default, by_best = geomean("default_ms"), geomean("best_ms")
-    pick = min(by_default, key=by_default.get) if by_default else "v1"
+    pick = min(by_default, key=by_default.get) if by_default else "v2"
     return {"default_variant": pick, "geomean_ms_default_config": by_default,
             "geomean_ms_best_config": by_best,
             "note": "a variant missing from a geomean failed (or was wrong) somewhere: see "

@@ -146,6 +146,7 @@ class MoE(nn.Module):
                 up, (w, s, _) = self.shared_experts.up_proj, self._grouped[0]
                 up.weight = w[len(ups):].reshape(up.weight.shape)
                 up.weight_scale = s[len(ups):].reshape(up.weight_scale.shape)
+                up.kernel_layout = True
             return True
         if all(type(m) is Linear for m in ups + downs):
             self._dense = (_stack_dense(ups), _stack_dense(downs))
@@ -175,10 +176,11 @@ class MoE(nn.Module):
                 and down.out_features == r_down.out_features and inner % 16 == 0):
             return [], []
         parts = up.out_features // inner
-        ups = [(up.weight[i * inner:(i + 1) * inner], up.weight_scale[i * inner:(i + 1) * inner],
+        up_w, down_w = up.checkpoint_weight(), down.checkpoint_weight()
+        ups = [(up_w[i * inner:(i + 1) * inner], up.weight_scale[i * inner:(i + 1) * inner],
                 up.weight_scale_2) for i in range(parts)]
         half, groups = inner // 2, inner // 16
-        downs = [(down.weight[:, i * half:(i + 1) * half],
+        downs = [(down_w[:, i * half:(i + 1) * half],
                   down.weight_scale[:, i * groups:(i + 1) * groups], down.weight_scale_2)
                  for i in range(parts)]
         return ups, downs

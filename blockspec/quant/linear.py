@@ -29,6 +29,7 @@ from blockspec.kernels.triton_loader import use_triton
 from blockspec.quant.config import FORMATS, FP8, NVFP4, W4A16_NVFP4
 from blockspec.quant.fp8 import dequantize_fp8, fp8_scale
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4, dequantize_nvfp4_rows
+from blockspec.quant.w4a16_layout import from_kernel_layout, to_kernel_layout, to_kernel_layout_
 
 # Buffers whose dtype is part of the format: ``module.to(dtype)`` / ``.half()`` must only move
 # them, never cast them.
@@ -114,33 +115,65 @@ class NVFP4Linear(_QuantBase):
             out_features, in_features // GROUP_SIZE, dtype=torch.float8_e4m3fn))
         self.register_buffer("weight_scale_2", torch.zeros((), dtype=torch.float32))
         self._register_input_scale_and_bias(out_features, has_input_scale, bias, dtype)
+        # ``weight`` holds the W4A16 kernel's layout (w4a16_layout.py) once the kernel has run
+        # on it or the MoE stacked it; until then the checkpoint's bytes.
+        self.kernel_layout = False
 
     def _logical_shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
+    def checkpoint_weight(self) -> torch.Tensor:
+        """The packed weight in the checkpoint's layout, whichever layout ``weight`` holds."""
+        return from_kernel_layout(self.weight) if self.kernel_layout else self.weight
+
     def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Exactly dequantized [out, in] (fp32 unless asked otherwise)."""
-        return dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2, dtype=dtype)
+        return dequantize_nvfp4(self.checkpoint_weight(), self.weight_scale,
+                                self.weight_scale_2, dtype=dtype)
+
+    def kernel_weight(self) -> torch.Tensor:
+        """``weight`` in the kernel's layout, converted in place on first use (so a model keeps
+        one copy; warm-up runs it before any CUDA graph is captured)."""
+        if not self.kernel_layout:
+            to_kernel_layout_(self.weight)
+            self.kernel_layout = True
+        return self.weight
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.kernel_layout:   # a state dict always holds the checkpoint's bytes
+            destination[prefix + "weight"] = self.checkpoint_weight()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "weight"
+        if self.kernel_layout and key in state_dict:   # checkpoint bytes into a converted buffer
+            state_dict = {**state_dict, key: to_kernel_layout(state_dict[key])}
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _triton_ok(self, x: torch.Tensor) -> bool:
+        if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+            return False
+        from blockspec.quant.triton_w4a16 import triton_available
+
+        return triton_available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            from blockspec.quant.triton_w4a16 import triton_available, w4a16_linear
+        if self._triton_ok(x):
+            from blockspec.quant.triton_w4a16 import w4a16_linear
 
-            if triton_available():
-                return w4a16_linear(x, self.weight, self.weight_scale, self.weight_scale_2,
-                                    self.bias)
+            return w4a16_linear(x, self.kernel_weight(), self.weight_scale,
+                                self.weight_scale_2, self.bias)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dense_weight(x.dtype), bias)
 
     def forward_relu2(self, x: torch.Tensor) -> torch.Tensor | None:
         """relu(forward(x))^2 with the square in the W4A16 kernel's epilogue (one launch for
         an expert's up projection), or None where that kernel does not run."""
-        if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and self.bias is None):
-            from blockspec.quant.triton_w4a16 import triton_available, w4a16_linear
+        if self.bias is None and self._triton_ok(x):
+            from blockspec.quant.triton_w4a16 import w4a16_linear
 
-            if triton_available():
-                return w4a16_linear(x, self.weight, self.weight_scale, self.weight_scale_2,
-                                    relu2=True)
+            return w4a16_linear(x, self.kernel_weight(), self.weight_scale,
+                                self.weight_scale_2, relu2=True)
         return None
 
     def extra_repr(self) -> str:
@@ -218,6 +251,18 @@ class FP8Linear(_QuantBase):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt=fp8"
+
+
+def prepare_w4a16(model: nn.Module) -> None:
+    """Put every NVFP4 Linear that the W4A16 kernel will run (on CUDA, Triton importable) in
+    the kernel's layout now, after loading and before any CUDA graph is captured."""
+    from blockspec.quant.triton_w4a16 import triton_available
+
+    if not triton_available():
+        return
+    for m in model.modules():
+        if isinstance(m, NVFP4Linear) and m.weight.is_cuda:
+            m.kernel_weight()
 
 
 def prepare_fp8(model: nn.Module) -> None:
@@ -343,25 +388,30 @@ def make_quant_embedding(fmt: str, num_embeddings: int, dim: int,
 def stack_nvfp4_experts(modules: list[NVFP4Linear],
                         extra: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stack loaded per-expert NVFP4 Linears into ``[E, N, K/2]``, ``[E, N, K/16]``, ``[E]``.
+    """Stack loaded per-expert NVFP4 Linears into ``[E, N, K/2]``, ``[E, N, K/16]``, ``[E]``,
+    the packed weights in the W4A16 kernel's layout.
 
-    For ``grouped_w4a16``.  Each module's buffers are re-pointed to views of the stacked
-    tensors, so the packed experts stay in memory once.  Call after loading and after moving
-    the model to its device (moving views one by one would copy them apart).  ``extra``:
-    (packed, scales, global scale) of pseudo-experts appended after the modules' (the shared
-    expert's slices, ``MoE.prepare_grouped``), copied in.
+    For ``grouped_w4a16``/``pair_w4a16``.  Each module's buffers are re-pointed to views of the
+    stacked tensors (and marked as holding the kernel layout), so the packed experts stay in
+    memory once.  Call after loading and after moving the model to its device (moving views one
+    by one would copy them apart).  ``extra``: (packed in the checkpoint's layout, scales,
+    global scale) of pseudo-experts appended after the modules' (the shared expert's slices,
+    ``MoE.prepare_grouped``), copied in.
     """
     if not modules:
         raise ValueError("no expert modules to stack")
-    parts = [(m.weight, m.weight_scale, m.weight_scale_2) for m in modules] + list(extra)
+    parts = ([(m.checkpoint_weight(), m.weight_scale, m.weight_scale_2) for m in modules]
+             + list(extra))
     shapes = {(w.shape, s.shape) for w, s, _ in parts}
     if len(shapes) != 1:
         raise ValueError(f"experts differ in shape: {sorted(shapes)}")
     weight = torch.stack([w for w, _, _ in parts])
     scale = torch.stack([s for _, s, _ in parts])
     scale2 = torch.stack([s2.reshape(()) for _, _, s2 in parts])
+    to_kernel_layout_(weight)
     for e, m in enumerate(modules):
         m.weight = weight[e]
+        m.kernel_layout = True
         m.weight_scale = scale[e]
         m.weight_scale_2 = scale2[e]
     return weight, scale, scale2

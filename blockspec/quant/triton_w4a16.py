@@ -1,58 +1,50 @@
 """W4A16 NVFP4 GEMM in Triton: bf16 activations x packed E2M1 weights, no dequantized copy.
 
-One kernel serves both shapes of use:
+One kernel serves every shape of use:
 
 - dense: ``y[M, N] = x[M, K] @ W^T`` with ``W`` packed [N, K/2] (+ [N, K/16] E4M3 scales and a
   0-dim global scale);
 - grouped (MoE): rows of ``x`` sorted by expert, ``expert_offsets[e]:expert_offsets[e+1]`` are
-  expert e's rows, weights stacked [E, N, K/2] / [E, N, K/16] / [E].
+  expert e's rows, weights stacked [E, N, K/2] / [E, N, K/16] / [E];
+- pairs (MoE at decode): one block per (token, expert) pair, no sort (``pair_w4a16``).
 
-Why this shape: decode (M <= 16) is memory bound, so the kernel reads each packed byte once
-(128-bit loads along K), decodes it in registers and feeds bf16 tensor-core dots.  Small N
-(experts: N = 1856 or 2688) is split along K so that enough programs cover the GPU; partial sums
-go to an fp32 workspace that is summed afterwards.
+Packed weights come in the kernel's layout (``w4a16_layout.to_kernel_layout``: the checkpoint's
+bits moved within each 16-bit word; shapes, K order and scales unchanged). Every function here,
+the ``_reference`` ones included, takes that layout; ``NVFP4Linear`` and the MoE's stacked
+experts convert once after loading.
 
-Decoding in registers is exact (no table): an E2M1 code ``s e1 e0 m`` placed in fp16 bits as
-``s << 15 | (e1 e0 m) << 9`` is the E2M1 value times 2^-14 (subnormals included), and an E4M3
-byte's low 7 bits shifted left by 7 are its value times 2^-8.  The powers of two are folded
-into the global scale, so the bf16 weight tile equals ``dequantize_nvfp4(...).to(bf16)`` bit for
-bit; only the fp32 summation order differs from the reference.
+Why this shape: decode (M <= 16) is memory bound, so the kernel reads each packed byte once,
+decodes it in registers and feeds bf16 tensor-core dots. W is read as uint16 words of 4 nibbles
+(K order 4i..4i+3), so a K block is 4 dots over "nibble streams" r = 0..3, and x as int64 words
+(4 bf16) split the same way: a dot's K order is free as long as x and W agree. Weights, x and
+(as int32 words) scales are staged by cp.async; Triton converts the *packed* words to the MMA
+operand layout and each thread decodes whole 16-weight scale groups in registers.
 
-Triton is imported lazily (CPU CI may not have it).  ``TRITON_INTERPRET=1`` runs the kernel on
-CPU tensors; the interpreter's bf16 ``tl.dot`` is broken, so there the dot runs on fp32 copies of
-the same bf16 values.
+The decode is exact: code ``s e1 e0 m`` as bf16 bits ``s << 15 | (e1 e0 m) << 6`` is
+E2M1 * 2^-126 (subnormal included); the block scale becomes bf16 ``scale * 2^118`` (exact, via
+fp16 and fp32); their bf16 product is E2M1 * scale * 2^-8 exactly (<= 6 significant bits); and
+``weight_scale_2 * 2^8`` scales the fp32 accumulator at the end. The MMA thus sees exact
+E2M1 * E4M3 products (more precise than the reference, which rounds the scaled weight to bf16).
+Inline PTX does the bit work: the kernel layout lets 9 integer ops and 4 bf16x2 multiplies make
+8 weights (the K loop of a verify's MoE call: 3.3 SASS instructions per weight, against 3.8
+with the checkpoint's nibbles; ``scripts/sass_w4a16.py``). M <= 16 uses mma with the weights as
+B; larger M swaps to ``W @ x^T`` so wgmma reads x from shared memory (``v2_default_config``).
+Small N (experts: N = 1856 or 2688) is split along K so that enough programs cover the GPU;
+the last CTA of each tile sums the partials (per-stream tile counters that it resets), so a
+call is one launch.
 
-Two kernels, chosen by ``variant=`` or the environment variable ``BLOCKSPEC_W4A16_VARIANT``
-(``default_variant()``; ``v2`` unless told otherwise):
-
-- ``v1``: the kernel described above.  On an H200 it is issue-bound: ~16 SASS instructions per
-  weight per thread (the K mask defeats vectorized loads, the decode runs in fp32, the
-  transposed tile goes to shared memory 2 bytes at a time): lm_head at ~1.0 TB/s.
-- ``v2``: W is read as uint16 words of 4 nibbles (K order 4i..4i+3), so a K block is 4 dots over
-  "nibble streams" r = 0..3, and x as int64 words (4 bf16) split the same way: a dot's K order
-  is free as long as x and W agree, so no register reshapes are needed.  Weights, x and (as
-  int32 words) scales are staged by cp.async; Triton converts the *packed* words to the MMA
-  operand layout and each thread decodes whole 16-weight scale groups in registers.  The decode
-  is exact: nibble ``s e1 e0 m`` as bf16 bits ``s << 15 | (e1 e0 m) << 6`` is E2M1 * 2^-126
-  (subnormal included); the block scale becomes bf16 ``scale * 2^118`` (exact, via fp16 and
-  fp32); their bf16 product is E2M1 * scale * 2^-8 exactly (<= 6 significant bits); and
-  ``weight_scale_2 * 2^8`` scales the fp32 accumulator at the end.  The MMA thus sees exact
-  E2M1 * E4M3 products (more precise than the reference, which rounds the scaled weight to
-  bf16).  Inline PTX does the nibble work: a lane-clean nibble times 0x1040 lands both at << 6
-  (magnitude -> bits 8..6) and << 12 (sign -> bit 15) without carries, so 3 integer ops and
-  one bf16x2 multiply make 2 weights (~3.5 instructions per weight in all, lm_head at
-  ~2.5 TB/s).  M <= 16 uses mma with the weights as B; larger M swaps to ``W @ x^T`` so wgmma
-  reads x from shared memory (``v2_default_config``).  Split-K partials are summed inside the
-  kernel by the last CTA of each tile (per-stream tile counters that it resets), so a call is
-  one launch.
-- ``v2w``: v2 always swapped (wgmma); ``v2t``: v2 with a pure-Triton decode (comparison).
+Variants (``variant=`` or ``BLOCKSPEC_W4A16_VARIANT``; ``default_variant()`` is ``v2``): ``v2``
+as above, ``v2w`` always swapped (wgmma), ``v2t`` the same bits built by Triton ops instead of
+PTX (comparisons).
 
 At decode a call moves only a few MB, so its time is set by the launch config, not by
 bandwidth: v2 takes the tile, split-K, warps and stages of the call's problem class from
 ``w4a16_tuned.json`` (``tuned_config``; filled by scripts/bench_w4a16_decode.py) where it has
 an entry, else the built-in defaults; explicit keyword arguments override both.
 
-Under ``TRITON_INTERPRET=1`` every v2 variant runs the same kernel with an exact fp32 decode.
+Triton is imported lazily (CPU CI may not have it). Under ``TRITON_INTERPRET=1`` (CPU tensors)
+every variant runs the same kernel with the decode in fp32 (the interpreter's bf16 dot and
+casts are unreliable): the same exact products.
 """
 from __future__ import annotations
 
@@ -67,10 +59,7 @@ import torch.nn.functional as F
 
 from blockspec.kernels.triton_loader import sm_count
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4
-
-# fp16 bit trick factors: E2M1 values come out x 2^-14, E4M3 scales x 2^-8.
-_SCALE_FIX = float(2 ** 22)
-
+from blockspec.quant.w4a16_layout import from_kernel_layout
 
 def triton_available() -> bool:
     """Triton importable (GPU compiler or interpreter), unless BLOCKSPEC_DISABLE_TRITON=1 asks
@@ -86,100 +75,6 @@ def triton_available() -> bool:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels(interpret: bool):
-    """Build the jitted kernel (cached per mode: the interpreter decides at decoration time)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _w4a16_kernel(
-        x_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
-        blk_expert_ptr, blk_row0_ptr, blk_row1_ptr,
-        N, K, k_per_split,
-        stride_xm, stride_we, stride_wn, stride_se, stride_sn,
-        stride_os, stride_om,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        K_ITERS: tl.constexpr, DOT_F32: tl.constexpr,
-    ):
-        pid_b = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_s = tl.program_id(2)
-        row0 = tl.load(blk_row0_ptr + pid_b)
-        row1 = tl.load(blk_row1_ptr + pid_b)
-        expert = tl.load(blk_expert_ptr + pid_b).to(tl.int64)
-
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row1
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = cols < N
-        # Global scale with the two power-of-two decode factors folded in (exact).
-        gscale = tl.load(ws2_ptr + expert) * 4194304.0
-
-        HALF_K: tl.constexpr = BLOCK_K // 2
-        GROUPS: tl.constexpr = BLOCK_K // 16
-        jb = tl.arange(0, HALF_K)
-        jg = tl.arange(0, GROUPS)
-        jk = tl.arange(0, BLOCK_K)
-        w_base = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
-        s_base = ws_ptr + expert * stride_se + cols[:, None].to(tl.int64) * stride_sn
-        x_base = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-
-        k_start = pid_s * k_per_split
-        k_end = tl.minimum(K, k_start + k_per_split)
-        # Padding blocks of the grouped grid (row0 == row1) load nothing and store nothing.
-        live = row0 < row1
-        nmask = nmask & live
-        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for it in range(0, K_ITERS):
-            k0 = k_start + it * BLOCK_K
-            kmask_b = (k0 // 2 + jb) < (k_end // 2)
-            kmask_g = (k0 // 16 + jg) < (k_end // 16)
-            kmask_x = (k0 + jk) < k_end
-            wb = tl.load(w_base + (k0 // 2 + jb)[None, :],
-                         mask=nmask[:, None] & kmask_b[None, :], other=0).to(tl.int32)
-            sb = tl.load(s_base + (k0 // 16 + jg)[None, :],
-                         mask=nmask[:, None] & kmask_g[None, :], other=0).to(tl.int32)
-            # E4M3 -> value * 2^-8, then one fp32 multiply per block, broadcast over its 8 bytes.
-            s = ((sb & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            s = s * gscale
-            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, GROUPS, 8)),
-                           (BLOCK_N, HALF_K))
-            lo = wb & 0xF
-            hi = wb >> 4
-            w_lo = (((lo & 8) << 12) | ((lo & 7) << 9)).to(tl.int16)
-            w_hi = (((hi & 8) << 12) | ((hi & 7) << 9)).to(tl.int16)
-            w_lo = w_lo.to(tl.float16, bitcast=True).to(tl.float32) * s
-            w_hi = w_hi.to(tl.float16, bitcast=True).to(tl.float32) * s
-            xt = tl.load(x_base + (k0 + jk)[None, :], mask=rmask[:, None] & kmask_x[None, :],
-                         other=0.0)
-            if DOT_F32:
-                # Interpreter only: its bf16 dot is broken and its fp32 -> bf16 cast truncates, so
-                # round to nearest-even bf16 by hand and keep the (exact) values in fp32.
-                b_lo = w_lo.to(tl.int32, bitcast=True)
-                b_hi = w_hi.to(tl.int32, bitcast=True)
-                b_x = xt.to(tl.float32).to(tl.int32, bitcast=True)
-                b_lo = (b_lo + 0x7FFF + ((b_lo >> 16) & 1)) & -65536
-                b_hi = (b_hi + 0x7FFF + ((b_hi >> 16) & 1)) & -65536
-                b_x = (b_x + 0x7FFF + ((b_x >> 16) & 1)) & -65536
-                w_lo = b_lo.to(tl.float32, bitcast=True)
-                w_hi = b_hi.to(tl.float32, bitcast=True)
-                xt = b_x.to(tl.float32, bitcast=True)
-            else:
-                w_lo = w_lo.to(tl.bfloat16)
-                w_hi = w_hi.to(tl.bfloat16)
-                xt = xt.to(tl.bfloat16)
-            x_even, x_odd = tl.split(tl.reshape(xt, (BLOCK_M, HALF_K, 2)))
-            acc += tl.dot(x_even, tl.trans(w_lo))
-            acc += tl.dot(x_odd, tl.trans(w_hi))
-
-        out = (out_ptr + pid_s * stride_os + rows[:, None].to(tl.int64) * stride_om
-               + cols[None, :])
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
-
-    return _w4a16_kernel
 
 
 # DECODE values of the v2 kernel: pure-Triton bf16 decode, inline-PTX bf16 decode, fp32 decode
@@ -382,60 +277,46 @@ def _kernels_v2(interpret: bool):
             sf = ((sb.to(tl.int32) & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True)
             sf = sf.to(tl.float32) * 8.507059173023462e+37
             if DECODE == 1:
-                # Per register pair of words (lane 0 = word 2p, lane 1 = word 2p+1): nibble r
-                # of each lane -> bf16 bits sign << 15 | magnitude << 6, times the scale pair.
-                # A lane-clean nibble times 0x1040 (0x104 for nibble 1) lands at << 6 (bits
-                # 8..6 = magnitude) and << 12 (bit 15 = sign) with no carries; the mask keeps
-                # those 4 bits.  prmt first moves nibbles 2 and 3 down a byte.
+                # Per register of two words (lane 0 = word 2p, lane 1 = word 2p+1): stream r
+                # -> bf16 bits sign << 15 | magnitude << 6 (E2M1 * 2^-126), times the scale
+                # pair.  The layout puts stream r's 4 bits where one shift (stream 0: << 2,
+                # 1: << 6), a byte swap and a shift (2: << 4) or a masked merge of the word
+                # and its byte swap (3) lands them: 9 integer ops per 8 weights.
                 # Registers: outputs $0..$7 (stream r: $2r, $2r+1), words $8 $9, scales $10 $11.
                 w0, w1, w2, w3 = tl.inline_asm_elementwise(
-                    "{\n.reg .b32 a, m0, m1;\n"
-                    "and.b32 a, $8, 0x000F000F; mul.lo.u32 a, a, 0x1040;\n"
-                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $0, a, $10;\n"
-                    "and.b32 a, $9, 0x000F000F; mul.lo.u32 a, a, 0x1040;\n"
-                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $1, a, $11;\n"
-                    "and.b32 a, $8, 0x00F000F0; mul.lo.u32 a, a, 0x104;\n"
-                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $2, a, $10;\n"
-                    "and.b32 a, $9, 0x00F000F0; mul.lo.u32 a, a, 0x104;\n"
-                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $3, a, $11;\n"
-                    "prmt.b32 m0, $8, 0, 0x4341;\n"
-                    "prmt.b32 m1, $9, 0, 0x4341;\n"
-                    "and.b32 a, m0, 0x000F000F; mul.lo.u32 a, a, 0x1040;\n"
-                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $4, a, $10;\n"
-                    "and.b32 a, m1, 0x000F000F; mul.lo.u32 a, a, 0x1040;\n"
-                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $5, a, $11;\n"
-                    "and.b32 a, m0, 0x00F000F0; mul.lo.u32 a, a, 0x104;\n"
-                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $6, a, $10;\n"
-                    "and.b32 a, m1, 0x00F000F0; mul.lo.u32 a, a, 0x104;\n"
-                    "and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $7, a, $11;\n}",
+                    "{\n.reg .b32 a, b, c, d, e;\n"
+                    "shl.b32 a, $8, 2; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $0, a, $10;\n"
+                    "shl.b32 a, $9, 2; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $1, a, $11;\n"
+                    "shl.b32 a, $8, 6; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $2, a, $10;\n"
+                    "shl.b32 a, $9, 6; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $3, a, $11;\n"
+                    "prmt.b32 b, $8, 0, 0x2301; prmt.b32 c, $9, 0, 0x2301;\n"
+                    "shl.b32 a, b, 4; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $4, a, $10;\n"
+                    "shl.b32 a, c, 4; and.b32 a, a, 0x81C081C0; mul.rn.bf16x2 $5, a, $11;\n"
+                    "and.b32 a, $8, 0x81808180; and.b32 d, b, 0x00400040; or.b32 a, a, d;\n"
+                    "mul.rn.bf16x2 $6, a, $10;\n"
+                    "and.b32 a, $9, 0x81808180; and.b32 e, c, 0x00400040; or.b32 a, a, e;\n"
+                    "mul.rn.bf16x2 $7, a, $11;\n}",
                     "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [wq, sf.to(tl.bfloat16)],
                     dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
                     pack=4)
-            elif DECODE == 0:  # the same bits, built by Triton ops
+            else:  # the same bits by Triton ops: bf16 (v2t) or fp32 (the interpreter)
                 q = wq.to(tl.int32)
-                s = sf.to(tl.bfloat16)
-                n = q & 0xF
-                w0 = (((n & 8) << 12) | ((n & 7) << 6)).to(tl.int16).to(tl.bfloat16,
-                                                                        bitcast=True) * s
-                n = (q >> 4) & 0xF
-                w1 = (((n & 8) << 12) | ((n & 7) << 6)).to(tl.int16).to(tl.bfloat16,
-                                                                        bitcast=True) * s
-                n = (q >> 8) & 0xF
-                w2 = (((n & 8) << 12) | ((n & 7) << 6)).to(tl.int16).to(tl.bfloat16,
-                                                                        bitcast=True) * s
-                n = (q >> 12) & 0xF
-                w3 = (((n & 8) << 12) | ((n & 7) << 6)).to(tl.int16).to(tl.bfloat16,
-                                                                        bitcast=True) * s
-            else:  # interpreter: E2M1 * 2^-126 as fp32 bits, same exact products in fp32
-                q = wq.to(tl.int32)
-                n = q & 0xF
-                w0 = (((n & 8) << 28) | ((n & 7) << 22)).to(tl.float32, bitcast=True) * sf
-                n = (q >> 4) & 0xF
-                w1 = (((n & 8) << 28) | ((n & 7) << 22)).to(tl.float32, bitcast=True) * sf
-                n = (q >> 8) & 0xF
-                w2 = (((n & 8) << 28) | ((n & 7) << 22)).to(tl.float32, bitcast=True) * sf
-                n = (q >> 12) & 0xF
-                w3 = (((n & 8) << 28) | ((n & 7) << 22)).to(tl.float32, bitcast=True) * sf
+                sw = ((q >> 8) | (q << 8)) & 0xFFFF
+                b0 = (q << 2) & 0x81C0
+                b1 = (q << 6) & 0x81C0
+                b2 = (sw << 4) & 0x81C0
+                b3 = (q & 0x8180) | (sw & 0x0040)
+                if DECODE == 0:
+                    s = sf.to(tl.bfloat16)
+                    w0 = b0.to(tl.int16).to(tl.bfloat16, bitcast=True) * s
+                    w1 = b1.to(tl.int16).to(tl.bfloat16, bitcast=True) * s
+                    w2 = b2.to(tl.int16).to(tl.bfloat16, bitcast=True) * s
+                    w3 = b3.to(tl.int16).to(tl.bfloat16, bitcast=True) * s
+                else:  # bf16 bits << 16 are the same value as fp32 bits
+                    w0 = (b0 << 16).to(tl.float32, bitcast=True) * sf
+                    w1 = (b1 << 16).to(tl.float32, bitcast=True) * sf
+                    w2 = (b2 << 16).to(tl.float32, bitcast=True) * sf
+                    w3 = (b3 << 16).to(tl.float32, bitcast=True) * sf
             # x element 4i + r of each int64 word: the same K order as weight stream r.
             if DECODE == 2:
                 x0 = ((xq & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
@@ -530,44 +411,6 @@ def _pick_split_k(programs: int, k: int, block_k: int, sms: int, waves: float = 
     while programs * split < target and split * 2 <= k_blocks and split < 16:
         split *= 2
     return split
-
-
-def _launch_v1(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               ws2: torch.Tensor, blk_expert: torch.Tensor, blk_row0: torch.Tensor,
-               blk_row1: torch.Tensor, num_blocks: int, block_m: int, n: int, k: int,
-               out_dtype: torch.dtype, block_n: int | None = None, block_k: int | None = None,
-               split_k: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None) -> torch.Tensor:
-    interpret = interpreting()
-    kernel = _kernels(interpret)
-    block_n = block_n or 64
-    block_k = block_k or 128
-    tiles_n = -(-n // block_n)
-    split = split_k or _pick_split_k(num_blocks * tiles_n, k, block_k, sm_count(x.device, cpu=4))
-    split, k_per_split = split_plan(k, block_k, split)
-    rows = x.shape[0]
-    if split == 1 and not interpret:  # the interpreter's bf16 store truncates: keep fp32 there
-        out = torch.empty((1, rows, n), dtype=out_dtype, device=x.device)
-    else:
-        out = torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
-    grid = (num_blocks, tiles_n, split)
-    w3 = weight if weight.dim() == 3 else weight.unsqueeze(0)
-    s3 = weight_scale if weight_scale.dim() == 3 else weight_scale.unsqueeze(0)
-    s3 = s3.view(torch.uint8)
-    extra = {}
-    if not interpret:
-        extra = {"num_warps": num_warps or 4, "num_stages": num_stages or 3}
-    kernel[grid](
-        x, w3, s3, ws2, out, blk_expert, blk_row0, blk_row1,
-        n, k, k_per_split,
-        x.stride(0), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1),
-        out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=k_per_split // block_k,
-        DOT_F32=interpret, **extra,
-    )
-    if out.dtype == out_dtype:
-        return out[0]
-    return out.sum(0).to(out_dtype)
 
 
 # Tile-counter buffers of the in-kernel split-K reduction, per (device, stream): every CTA that
@@ -839,7 +682,7 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-VARIANTS = ("v1", "v2", "v2t", "v2w")
+VARIANTS = ("v2", "v2t", "v2w")
 VARIANT_ENV = "BLOCKSPEC_W4A16_VARIANT"
 
 
@@ -852,13 +695,10 @@ def default_variant() -> str:
     return v
 
 
-def _variant(variant: str | None, cfg: dict) -> str:
+def _variant(variant: str | None) -> str:
     variant = variant or default_variant()
     if variant not in VARIANTS:
         raise ValueError(f"unknown W4A16 variant {variant!r}: expected one of {VARIANTS}")
-    if variant == "v1" and any(cfg.get(key) not in (None, 1)
-                               for key in ("k_slices", "block_m", "maxnreg")):
-        raise ValueError("k_slices, block_m and maxnreg are v2 options")
     return variant
 
 
@@ -878,16 +718,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) ->
     return n, k
 
 
-@functools.lru_cache(maxsize=256)
-def _dense_blocks(m: int, block_m: int, device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row blocks of a dense GEMM; memoized so a decode step launches no setup kernels."""
-    nb = -(-m // block_m)
-    row0 = torch.arange(nb, dtype=torch.int32) * block_m
-    row1 = torch.clamp(row0 + block_m, max=m)
-    return (torch.zeros(nb, dtype=torch.int32).to(device), row0.to(device), row1.to(device))
-
-
 def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  weight_scale_2: torch.Tensor, bias: torch.Tensor | None = None, *,
                  variant: str | None = None, block_m: int | None = None,
@@ -895,12 +725,12 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                  k_slices: int | None = None, split_k: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
                  maxnreg: int | None = None, relu2: bool = False) -> torch.Tensor:
-    """``x[..., K] @ dequant(W)^T (+ bias)`` -> ``[..., N]`` in x's dtype, via the Triton kernel.
+    """``x[..., K] @ dequant(W)^T (+ bias)`` -> ``[..., N]`` in x's dtype, via the Triton kernel
+    (``weight`` in the kernel layout).
 
     ``variant``: one of ``VARIANTS`` (default: ``default_variant()``); the other keywords
-    override the tile configuration (``block_m``, ``k_slices`` and ``maxnreg``, a register cap
-    per thread, are v2 only). ``relu2``:
-    relu(.)^2 of the rounded result in the v2 kernel's epilogue (an expert's up projection;
+    override the tile configuration (``maxnreg``: a register cap per thread). ``relu2``:
+    relu(.)^2 of the rounded result in the kernel's epilogue (an expert's up projection;
     not with a bias, which is added after the kernel).
     """
     n, k = _check(x, weight, weight_scale)
@@ -916,19 +746,12 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         return x.new_empty((*lead, n))
     cfg = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": num_warps,
            "num_stages": num_stages}
-    variant = _variant(variant, {"block_m": block_m, "k_slices": k_slices, "maxnreg": maxnreg})
+    variant = _variant(variant)
     ws2 = weight_scale_2.reshape(1).to(torch.float32)
     w, s = weight.contiguous(), weight_scale.contiguous()
-    if variant == "v1":
-        block_m = _pick_block_m(m)
-        y = _launch_v1(x2, w, s, ws2, *_dense_blocks(m, block_m, x.device), -(-m // block_m),
-                       block_m, n, k, out_dtype, **cfg)
-        if relu2:
-            y = torch.square(F.relu(y))
-    else:
-        block_m = block_m or _builtin_v2_config(n, k, m)["block_m"]  # (not a tuned key)
-        y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype,
-                       variant, k_slices=k_slices, maxnreg=maxnreg, relu2=relu2, **cfg)
+    block_m = block_m or _builtin_v2_config(n, k, m)["block_m"]  # (not a tuned key)
+    y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype,
+                   variant, k_slices=k_slices, maxnreg=maxnreg, relu2=relu2, **cfg)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, n)
@@ -937,8 +760,9 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 def w4a16_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                            weight_scale_2: torch.Tensor,
                            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Pure torch: exact fp32 dequant, cast to x's dtype, ``F.linear``."""
-    w = dequantize_nvfp4(weight, weight_scale, weight_scale_2, dtype=x.dtype)
+    """Pure torch ``w4a16_linear`` (same arguments, kernel layout): exact fp32 dequant, cast to
+    x's dtype, ``F.linear``."""
+    w = dequantize_nvfp4(from_kernel_layout(weight), weight_scale, weight_scale_2, dtype=x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
@@ -1003,11 +827,8 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
     cfg = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": num_warps,
            "num_stages": num_stages}
     w, s = weight.contiguous(), weight_scale.contiguous()
-    if _variant(variant, {"k_slices": k_slices, "maxnreg": maxnreg}) == "v1":
-        y = _launch_v1(x2, w, s, ws2, blk_expert, row0, row1, nb, block_m, n, k, x.dtype, **cfg)
-        return torch.square(F.relu(y)) if relu2 else y
     return _launch_v2(x2, w, s, ws2, (blk_expert, row0, row1), nb, block_m, n, k, x.dtype,
-                      variant or default_variant(), k_slices=k_slices, maxnreg=maxnreg,
+                      _variant(variant), k_slices=k_slices, maxnreg=maxnreg,
                       relu2=relu2, **cfg)
 
 
@@ -1063,7 +884,6 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     ids = ids.contiguous()      # read in its own dtype: no conversion kernel per call
     blocks = pairs + (shared_parts if dedup else tokens * shared_parts)
     variant = default_variant()
-    variant = "v2" if variant == "v1" else variant     # (v1 has no pair mode)
     return _launch_v2(x2, weight.contiguous(), weight_scale.contiguous(), ws2, None, blocks, 16,
                       n, k, x.dtype, variant, relu2=relu2, **tile,
                       pairs={"ids": ids, "x_per_pair": x_per_pair, "dedup": dedup,
@@ -1074,7 +894,8 @@ def pair_w4a16_reference(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tenso
                          weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, *,
                          x_per_pair: bool = False, relu2: bool = False,
                          shared_parts: int = 0) -> torch.Tensor:
-    """Pure torch ``pair_w4a16``: each output row through its exactly dequantized expert."""
+    """Pure torch ``pair_w4a16`` (same arguments, kernel layout): each output row through its
+    exactly dequantized expert."""
     tokens, topk = ids.shape
     e = weight.shape[0]
     experts = ids.reshape(-1).tolist() + [e - shared_parts + s for _ in range(tokens)
@@ -1083,8 +904,8 @@ def pair_w4a16_reference(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tenso
                                                            for _ in range(shared_parts)]
     out = []
     for r, ex in enumerate(experts):
-        w = dequantize_nvfp4(weight[ex], weight_scale[ex], weight_scale_2.reshape(-1)[ex],
-                             dtype=x.dtype)
+        w = dequantize_nvfp4(from_kernel_layout(weight[ex]), weight_scale[ex],
+                             weight_scale_2.reshape(-1)[ex], dtype=x.dtype)
         row = r if x_per_pair else token_of[r]
         out.append(F.linear(x[row:row + 1], w))
     y = torch.cat(out) if out else x.new_empty((0, weight.shape[-2]))
@@ -1102,7 +923,8 @@ def grouped_blocks(expert_offsets: torch.Tensor, rows: int
 def grouped_w4a16_reference(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor,
                             weight_scale: torch.Tensor,
                             weight_scale_2: torch.Tensor) -> torch.Tensor:
-    """Pure torch: each expert's rows through its exactly dequantized weight."""
+    """Pure torch ``grouped_w4a16`` (kernel layout): each expert's rows through its exactly
+    dequantized weight."""
     n = weight.shape[-2]
     out = x.new_zeros((x.shape[0], n))
     offs = [int(v) for v in expert_offsets.tolist()]
@@ -1110,7 +932,7 @@ def grouped_w4a16_reference(x: torch.Tensor, expert_offsets: torch.Tensor, weigh
         a, b = offs[e], offs[e + 1]
         if a == b:
             continue
-        w = dequantize_nvfp4(weight[e], weight_scale[e], weight_scale_2.reshape(-1)[e],
-                             dtype=x.dtype)
+        w = dequantize_nvfp4(from_kernel_layout(weight[e]), weight_scale[e],
+                             weight_scale_2.reshape(-1)[e], dtype=x.dtype)
         out[a:b] = F.linear(x[a:b], w)
     return out

@@ -13,7 +13,7 @@ from blockspec.models.draft_config import (DraftConfig, DraftConfigError,
                                            validate_against_target)
 from blockspec.models.loader import load_quant_plan
 from blockspec.models.nemotron_h_config import NemotronHConfig
-from blockspec.quant.linear import prepare_fp8
+from blockspec.quant.linear import prepare_fp8, prepare_w4a16
 
 log = logging.getLogger("blockspec")
 
@@ -77,5 +77,6 @@ def load_draft(path: str | Path, target: NemotronHConfig, dtype: torch.dtype, de
         back = {ckpt: param for param, ckpt in names.items()}
         load_state(model, src, rename=back.get, what=f"draft checkpoint {folder.name}")
     prepare_fp8(model)
+    prepare_w4a16(model)
     model.eval()
     return model
