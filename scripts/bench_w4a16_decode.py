@@ -3,6 +3,7 @@
     python scripts/bench_w4a16_decode.py --out w4a16_decode.json \\
         [--write-table w4a16_tuned.json] [--jobs 16] [--quick] [--problems NAME ...]
     python scripts/bench_w4a16_decode.py --plan        # the grid and its size, no GPU needed
+    python scripts/bench_w4a16_decode.py --tuned-only --out F   # only what a model launches
 
 Why: at decode a W4A16 call moves only 2-10 MB (Lightning at batch 1: 93 calls of ~15 us), so
 its time is set by tile shape, split-K, warps and pipeline depth, not by bandwidth.  The
@@ -307,6 +308,21 @@ def plan_configs(problem: Problem, sms: int, axes: dict = AXES) -> tuple[list[di
     if tuple(default.values()) not in seen:  # (same key order: launch_config's)
         configs.append({**default, "auto_split": True, "builtin": True})
     return configs, dropped
+
+
+def tuned_point(problem: Problem, sms: int) -> dict:
+    """The one config a model's call of ``problem`` launches today: the tuned table in force
+    (``BLOCKSPEC_W4A16_TUNED`` or the packaged one) over the built-ins, split-K resolved as
+    the launcher resolves it. ``--tuned-only`` times just this, e.g. to compare two trees'
+    kernels and tables on one machine."""
+    p = problem
+    cfg = (tw.v2_default_config(p.n, p.k, BLOCK_M, blocks=p.blocks) if p.grouped
+           else tw.v2_default_config(p.n, p.k, p.m))
+    chunk = cfg["block_k"] * cfg["k_slices"]
+    split = cfg["split_k"] or tw._pick_split_k(p.blocks * -(-p.n // cfg["block_n"]), p.k,
+                                               chunk, sms, waves=1.5)
+    cfg["split_k"] = tw.split_plan(p.k, chunk, split)[0]
+    return {**launch_config(cfg), "auto_split": True, "builtin": True}
 
 
 def launch_config(point: dict) -> dict:
@@ -651,6 +667,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=5, help="graph replays; the median counts")
     ap.add_argument("--hot-l2", action="store_true",
                     help="repeat one call (weights stay in L2) instead of cycling copies")
+    ap.add_argument("--tuned-only", action="store_true",
+                    help="time only the config each call launches today (tuned table over "
+                         "built-ins; reported as 'built-in'): an A/B of two trees' kernels")
     ap.add_argument("--plan", action="store_true",
                     help="print the grid per problem and the size estimate; needs no GPU")
     ap.add_argument("--sms", type=int, help="SM count to plan for (default: the GPU's, or "
@@ -672,6 +691,8 @@ def main(argv: list[str] | None = None) -> None:
     plans, dropped = {}, {}
     for p in problems:
         plans[p.name], dropped[p.name] = plan_configs(p, sms, axes)
+        if args.tuned_only:
+            plans[p.name], dropped[p.name] = [tuned_point(p, sms)], Counter()
     _print_plan(problems, plans, dropped, beam, args.jobs)
     if args.plan:
         return

@@ -250,6 +250,26 @@ def test_pair_launch_honours_the_table(interpreter, spy, tmp_path, monkeypatch):
                                                        s2[e])[0]) <= 1e-2
 
 
+@needs_triton
+def test_tuned_point_is_what_the_model_launches(sweep, interpreter, spy, tmp_path, monkeypatch):
+    """``--tuned-only`` times the config a model's call launches: the table's entry, with the
+    split the launcher resolves (auto where the entry leaves it open)."""
+    dense = sweep.Problem("d", "dense", 64, 256, 3)
+    pairs = sweep.Problem("p", "grouped", 32, 128, 12, experts=6, shared=0)
+    _table(tmp_path, {dense.key: {"block_n": 16, "block_k": 64, "k_slices": 2},
+                      pairs.key: {"block_n": 16, "block_k": 64, "split_k": 2}}, monkeypatch)
+    p, s, s2 = _weights(64, 256)
+    tw.w4a16_linear(torch.randn(3, 256).bfloat16(), p, s, s2)
+    w, ws, ws2 = _weights(32, 128, 6)
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0]])
+    tw.pair_w4a16(torch.randn(2, 128).bfloat16(), ids, w, ws, ws2, dedup=True, distinct=True)
+    for problem, launch in zip((dense, pairs), spy()[-2:]):
+        point = sweep.tuned_point(problem, sms=4)
+        assert point["builtin"] and ((point["block_n"], point["block_k"], point["k_slices"],
+                                      point["split_k"]) == (launch["BLOCK_N"], launch["BLOCK_K"],
+                                                            launch["SLICES"], launch["SPLIT"]))
+
+
 # ------------------------------------------------------------------------------- the sweep
 def test_decode_problems(sweep):
     probs = sweep.decode_problems()
