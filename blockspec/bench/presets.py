@@ -99,20 +99,15 @@ def randomize_(module: torch.nn.Module, seed: int = 0, std: float = 0.02) -> Non
 
 def build_target(name: str, device: torch.device, dtype: torch.dtype, quantized: bool = False):
     """A random preset target on ``device``, ready for ``Engine.from_model``."""
-    from blockspec.layers.moe import MoE
     from blockspec.models.nemotron_h import NemotronHForCausalLM
     from blockspec.models.nemotron_h_config import NemotronHConfig
-    from blockspec.quant.linear import prepare_fp8, prepare_w4a16
+    from blockspec.quant.linear import prepare_quantized
 
     cfg = NemotronHConfig.from_dict(preset_config(name))
     with torch.device(device):
         model = NemotronHForCausalLM(cfg, quant=LightningPlan() if quantized else None, dtype=dtype)
     randomize_(model)
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.prepare_grouped()
-    prepare_fp8(model)
-    prepare_w4a16(model)
+    prepare_quantized(model)
     return model.eval()
 
 

@@ -60,13 +60,8 @@ def load_target(path: str | Path, dtype: torch.dtype, device: torch.device
             return name
 
         load_state(model, src, rename=rename, what=f"target checkpoint {folder.name}")
-    from blockspec.layers.moe import MoE
-    from blockspec.quant.linear import prepare_fp8, prepare_w4a16
+    from blockspec.quant.linear import prepare_quantized
 
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.prepare_grouped()
-    prepare_fp8(model)
-    prepare_w4a16(model)
+    prepare_quantized(model)
     model.eval()
     return model, cfg

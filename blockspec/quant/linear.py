@@ -253,6 +253,19 @@ class FP8Linear(_QuantBase):
         return f"in={self.in_features}, out={self.out_features}, fmt=fp8"
 
 
+def prepare_quantized(model: nn.Module) -> None:
+    """Everything a loaded model's quantized layers decide or rearrange once, on their final
+    device and before any CUDA graph is captured: the MoE's stacked experts, the FP8
+    activation-scale modes and the W4A16 kernel layout."""
+    from blockspec.layers.moe import MoE
+
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.prepare_grouped()
+    prepare_fp8(model)
+    prepare_w4a16(model)
+
+
 def prepare_w4a16(model: nn.Module) -> None:
     """Put every NVFP4 Linear that the W4A16 kernel will run (on CUDA, Triton importable) in
     the kernel's layout now, after loading and before any CUDA graph is captured."""

@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from blockspec.kernels.triton_loader import sm_count
+from blockspec.kernels.triton_loader import interpreting, sm_count
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4
 from blockspec.quant.w4a16_layout import from_kernel_layout
 
@@ -73,10 +73,6 @@ def triton_available() -> bool:
     return True
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 # DECODE values of the v2 kernel: pure-Triton bf16 decode, inline-PTX bf16 decode, fp32 decode
 # (the interpreter, whose bf16 dot and casts are unreliable).
 _DEC_TRITON, _DEC_ASM, _DEC_FP32 = 0, 1, 2
@@ -84,7 +80,8 @@ _DEC_TRITON, _DEC_ASM, _DEC_FP32 = 0, 1, 2
 
 @functools.lru_cache(maxsize=None)
 def _kernels_v2(interpret: bool):
-    """Build the v2 kernel (see the module docstring); cached per mode like ``_kernels``.
+    """Build the v2 kernel (see the module docstring); cached per mode (the interpreter decides
+    at decoration time).
 
     Self-contained on purpose (literal constants, no helper functions): the interpreter re-runs
     the kernel's source against module globals only, so closures would not resolve there.

@@ -24,8 +24,11 @@ STREAM_BITS = ((4, 5, 6, 13), (0, 1, 2, 9), (10, 11, 12, 3), (14, 7, 8, 15))
 
 
 @functools.lru_cache(maxsize=None)
-def _tables() -> tuple[torch.Tensor, torch.Tensor]:
-    """(checkpoint word -> kernel word, kernel word -> checkpoint word), int32 [65536] each."""
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(checkpoint word -> kernel word, kernel word -> checkpoint word), int32 [65536] each,
+    on ``device`` (built once per device, not copied there per call)."""
+    if device.type != "cpu":
+        return tuple(t.to(device) for t in _tables(torch.device("cpu")))
     words = torch.arange(1 << 16, dtype=torch.int32)
     forward = torch.zeros_like(words)
     for r, positions in enumerate(STREAM_BITS):
@@ -36,7 +39,7 @@ def _tables() -> tuple[torch.Tensor, torch.Tensor]:
     return forward, inverse
 
 
-def _remap(packed: torch.Tensor, table: torch.Tensor, name: str) -> torch.Tensor:
+def _remap(packed: torch.Tensor, direction: int, name: str) -> torch.Tensor:
     if packed.dtype != torch.uint8:
         raise TypeError(f"{name}: packed NVFP4 weights must be uint8, got {packed.dtype}")
     if packed.shape[-1] % 2:
@@ -44,18 +47,18 @@ def _remap(packed: torch.Tensor, table: torch.Tensor, name: str) -> torch.Tensor
                          f"got {tuple(packed.shape)}")
     b = packed.to(torch.int32)
     word = b[..., 0::2] | (b[..., 1::2] << 8)
-    out = table.to(packed.device)[word.long()]
+    out = _tables(packed.device)[direction][word.long()]
     return torch.stack((out & 0xFF, out >> 8), -1).reshape(packed.shape).to(torch.uint8)
 
 
 def to_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
     """Checkpoint-packed NVFP4 ``[..., N, K/2]`` uint8 -> the kernel's layout (a new tensor)."""
-    return _remap(packed, _tables()[0], "to_kernel_layout")
+    return _remap(packed, 0, "to_kernel_layout")
 
 
 def from_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of ``to_kernel_layout``: the checkpoint's bytes back."""
-    return _remap(packed, _tables()[1], "from_kernel_layout")
+    return _remap(packed, 1, "from_kernel_layout")
 
 
 def to_kernel_layout_(packed: torch.Tensor, rows: int = 4096) -> torch.Tensor:

@@ -63,8 +63,7 @@ def nvfp4_draft_head(draft: nn.Module, target: nn.Module) -> NVFP4Linear | None:
         head.weight.copy_(packed)
         head.weight_scale.copy_(scale)
         head.weight_scale_2.copy_(scale2)
-    if head.weight.is_cuda:
-        prepare_w4a16(head)
+    prepare_w4a16(head)
     log.info("draft lm_head: W4A16 NVFP4 copy of the %s head (%d x %d)",
              "draft's" if getattr(draft, "lm_head", None) is not None else "target's", v, h)
     return head.eval()

@@ -13,7 +13,7 @@ from blockspec.models.draft_config import (DraftConfig, DraftConfigError,
                                            validate_against_target)
 from blockspec.models.loader import load_quant_plan
 from blockspec.models.nemotron_h_config import NemotronHConfig
-from blockspec.quant.linear import prepare_fp8, prepare_w4a16
+from blockspec.quant.linear import prepare_quantized
 
 log = logging.getLogger("blockspec")
 
@@ -76,7 +76,6 @@ def load_draft(path: str | Path, target: NemotronHConfig, dtype: torch.dtype, de
             model.fc_in_features_from_weight(src.shape(names["fc.weight"]))
         back = {ckpt: param for param, ckpt in names.items()}
         load_state(model, src, rename=back.get, what=f"draft checkpoint {folder.name}")
-    prepare_fp8(model)
-    prepare_w4a16(model)
+    prepare_quantized(model)
     model.eval()
     return model

@@ -4,11 +4,12 @@ forward, accept losslessly, commit target state and the draft context.
 The whole step is one pure function of the static step inputs and the caches
 (``step_fn``), so the runner replays it as a single CUDA graph per batch size and reads back
 only the accept lengths, tokens and logprobs; it ends by advancing those inputs (bonus token,
-lengths, counters), so the next step can start before this one is read back. The draft context (per draft layer K/V of every
-committed token, projected from the target's captured hidden states) lives in a paged pool on
-the target's block tables: the draft block writes its own K/V at the block positions, and the
-verify's captured rows overwrite them with the real context; rows past a request's committed
-length are never read, so rejected rows need no clean-up.
+lengths, counters), so the next step can start before this one is read back. The draft
+context (per draft layer K/V of every committed token, projected from the target's captured
+hidden states) lives in a paged pool on the target's block tables: the draft block writes its
+own K/V at the block positions, and the verify's captured rows overwrite them with the real
+context; rows past a request's committed length are never read, so rejected rows need no
+clean-up.
 """
 from __future__ import annotations
 
