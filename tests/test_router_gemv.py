@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.kernels.router_gemv import _blocks, router_logits, router_logits_reference
+from blockspec.kernels.router_gemv import (_blocks, _splits, router_logits, router_logits_reference,
+                                           router_partials, sum_partials)
 from tests.triton_modes import GPU, MODES, mode  # noqa: F401  (mode: fixture)
 
 pytest.importorskip("triton")
@@ -81,6 +82,39 @@ def test_empty():
     assert router_logits(torch.randn(0, 64), w).shape == (0, 8)
 
 
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+@pytest.mark.parametrize("tokens, blocks, splits", [
+    (1, (1, 1, 32), 3),        # 4 K chunks (H = 112) over 3 splits: 2, 2 and none left
+    (6, (8, 2, 16), 4),        # 7 chunks over 4 splits, partial expert and token blocks
+    (4, (4, 4, 16), 7),        # one chunk per split
+    (3, (4, 8, 32), 9),        # more splits than chunks: capped at 4
+])
+def test_k_splits(mode, tokens, blocks, splits):
+    """Each split's partial is the product over its own columns, and the partials add up to
+    the logits in index order (``sum_partials``, what the routing kernel does)."""
+    x, w = _inputs(tokens, 12, 112, torch.bfloat16, mode, seed=tokens * 7 + splits)
+    parts = router_partials(x, w, blocks=blocks, splits=splits)
+    chunk = -(-(-(-112 // blocks[2])) // parts.shape[0]) * blocks[2]
+    assert parts.shape == (min(splits, -(-112 // blocks[2])), tokens, 12)
+    for s in range(parts.shape[0]):
+        cols = slice(s * chunk, (s + 1) * chunk)
+        _assert_close(parts[s], x[:, cols], w[:, cols].contiguous())
+    _assert_close(sum_partials(parts), x, w)
+    assert torch.equal(router_logits(x, w, blocks=blocks, splits=splits), sum_partials(parts))
+
+
+def test_default_splits():
+    """Lightning on an H200: decode and verify sizes split K in 3 (one chunk per program,
+    384 programs); batched verifies that already fill the GPU do not split."""
+    assert _splits(128, 3, 132) == 3
+    assert _splits(128, 6, 132) == 3
+    assert _splits(256, 11, 132) == 1
+    assert _splits(1024, 11, 132) == 1
+    assert _splits(8, 2, 132) == 2           # never more splits than chunks
+    x, w = _inputs(1, 8, 64, torch.float32, "cpu", seed=1)
+    assert router_partials(torch.zeros(0, 64), w).shape == (1, 0, 8)
+
+
 def test_default_tiles_spread_the_weight():
     """On an H200 (132 SMs) decode runs one expert per program; bigger T groups experts and
     tokens but keeps at least one program per SM; a verify's 6 tokens take 3 K chunks."""
@@ -113,6 +147,8 @@ def test_bad_input_names_the_tensor(x_shape, x_dtype, w_shape, w_dtype, w_transp
 def test_bad_blocks():
     with pytest.raises(ValueError, match="blocks must be powers of two"):
         router_logits(torch.zeros(2, 64), torch.zeros(8, 64), blocks=(2, 3, 32))
+    with pytest.raises(ValueError, match="splits must be >= 1"):
+        router_partials(torch.zeros(2, 64), torch.zeros(8, 64), splits=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -21,19 +21,31 @@ def _argmax_fn(av, ai, bv, bi):
 
 
 @triton.jit
-def _route_kernel(LOGITS, BIAS, IDS, W, s_l, scale,
+def _logits(ptrs, mask, s_split, SPLITS: tl.constexpr):
+    """The logits at ``ptrs`` as the sum of the router's SPLITS partial sums, added in index
+    order (``router_gemv.sum_partials`` is the same order)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    for i in tl.static_range(1, SPLITS):
+        x += tl.load(ptrs + i * s_split, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _route_kernel(LOGITS, BIAS, IDS, W, s_l, s_split, scale,
                   K: tl.constexpr, N_GROUP: tl.constexpr, GROUP: tl.constexpr,
                   TOPK_GROUP: tl.constexpr, GROUP_TOP: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+                  SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
     """One token row. The experts sit in a [group, member] tile (expert = g * GROUP + s), so the
     group-limited selection is a reduction along the members; with one group the tile is a
-    single row. Top-k is K rounds of argmax, each taking its winner out of the tile."""
+    single row. Top-k is K rounds of argmax, each taking its winner out of the tile.
+    LOGITS holds SPLITS partial sums s_split apart (the router GEMV's K splits)."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]
     s = tl.arange(0, BLOCK_S)[None, :]
     real = (g < N_GROUP) & (s < GROUP)
     expert = g * GROUP + s
-    x = tl.load(LOGITS + row * s_l + expert, mask=real, other=0.0)
+    x = _logits(LOGITS + row * s_l + expert, real, s_split, SPLITS)
     bias = tl.load(BIAS + expert, mask=real, other=0.0)
     choice = tl.where(real, 1.0 / (1.0 + tl.exp(-x)) + bias, float("-inf"))
     idx = tl.where(real, expert, _TAKEN)
@@ -65,7 +77,7 @@ def _route_kernel(LOGITS, BIAS, IDS, W, s_l, scale,
         idx = tl.where(idx == best, _TAKEN, idx)
     # the weights are the un-biased scores of the chosen experts (recomputed from their logits)
     live = kk < K
-    xk = tl.load(LOGITS + row * s_l + ids, mask=live, other=0.0)
+    xk = _logits(LOGITS + row * s_l + ids, live, s_split, SPLITS)
     w = tl.where(live, 1.0 / (1.0 + tl.exp(-xk)), 0.0)
     if NORM:
         w = w / (tl.reduce(w, 0, _add_fn) + 1e-20)

@@ -4,12 +4,13 @@ import triton.language as tl
 
 
 @triton.jit
-def _router_gemv_kernel(X, W, OUT, T, E, H, s_x, s_o,
+def _router_gemv_kernel(X, W, OUT, T, E, H, s_x, s_o, s_s,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                         K_ITERS: tl.constexpr):
-    """OUT[t, e] = sum_k float(X[t, k]) * W[e, k] for the BLOCK_T tokens of program_id(1) and
-    the BLOCK_E experts of program_id(0), in fp32. Each weight element of the block is read
-    once and used for all BLOCK_T tokens. The products accumulate elementwise in a
+    """OUT[s, t, e] = sum over split s's columns of float(X[t, k]) * W[e, k] for the BLOCK_T
+    tokens of program_id(1), the BLOCK_E experts of program_id(0) and the K split
+    s = program_id(2) (columns [s * K_ITERS * BLOCK_K, (s + 1) * K_ITERS * BLOCK_K)), in fp32.
+    Each weight element of the block is read once and used for all BLOCK_T tokens. The products accumulate elementwise in a
     [BLOCK_T, BLOCK_E, BLOCK_K] tile over the K_ITERS column chunks (no reduction inside the
     loop) and are summed along K once at the end: a fixed order, so results are the same run
     to run. W is [E, H] contiguous fp32; X rows are s_x apart, columns contiguous.
@@ -23,7 +24,8 @@ def _router_gemv_kernel(X, W, OUT, T, E, H, s_x, s_o,
     final reduction and the store)."""
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    k = tl.arange(0, BLOCK_K)[None, None, :]
+    split = tl.program_id(2)
+    k = split * (K_ITERS * BLOCK_K) + tl.arange(0, BLOCK_K)[None, None, :]
     em = (e < E)[None, :, None]
     tm = (t < T)[:, None, None]
     x_rows = tl.broadcast_to(X + t.to(tl.int64)[:, None, None] * s_x, [BLOCK_T, BLOCK_E, 1])
@@ -40,5 +42,5 @@ def _router_gemv_kernel(X, W, OUT, T, E, H, s_x, s_o,
     # tl.standard's sum combine (not a local one): identical code when compiled, and the
     # interpreter recognises it and sums with numpy instead of one Python call per element
     out = tl.reduce(acc, 2, tl.standard._sum_combine)
-    tl.store(OUT + t.to(tl.int64)[:, None] * s_o + e[None, :], out,
+    tl.store(OUT + split.to(tl.int64) * s_s + t.to(tl.int64)[:, None] * s_o + e[None, :], out,
              mask=(t < T)[:, None] & (e < E)[None, :])

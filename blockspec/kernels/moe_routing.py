@@ -35,8 +35,15 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, to
           norm_topk_prob: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] (fp32) -> (expert ids [T, k] int64, weights [T, k] fp32), as
     ``route_reference``: sigmoid scores, ``bias`` steering the group-limited top-k, weights the
-    un-biased scores (renormalised when ``norm_topk_prob``) times ``scale``."""
-    tokens, experts = logits.shape
+    un-biased scores (renormalised when ``norm_topk_prob``) times ``scale``. ``logits`` may
+    also be the router GEMV's partial sums [S, T, E] (``router_gemv.router_partials``): the
+    kernel adds them in index order as it reads them, which is ``route`` of
+    ``router_gemv.sum_partials(logits)`` exactly."""
+    if logits.dim() == 2:
+        logits = logits[None]
+    if logits.dim() != 3:
+        raise ValueError(f"route: logits must be [T, E] or [S, T, E], got {tuple(logits.shape)}")
+    splits, tokens, experts = logits.shape
     n_group = max(1, n_group)
     if experts % n_group or top_k > experts or (n_group > 1 and not 0 < topk_group <= n_group):
         raise ValueError(f"route: {experts} experts, top_k={top_k}, n_group={n_group}, "
@@ -50,9 +57,9 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, to
     group = experts // n_group
     block_g, block_s = next_pow2(n_group), next_pow2(group)
     load_kernels(_KERNELS)._route_kernel[(tokens,)](
-        logits, bias, ids, w, logits.stride(0), float(scale),
+        logits, bias, ids, w, logits.stride(1), logits.stride(0), float(scale),
         K=top_k, N_GROUP=n_group, GROUP=group, TOPK_GROUP=topk_group, GROUP_TOP=min(2, group),
-        NORM=bool(norm_topk_prob), BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=next_pow2(top_k),
+        NORM=bool(norm_topk_prob), SPLITS=splits, BLOCK_G=block_g, BLOCK_S=block_s, BLOCK_K=next_pow2(top_k),
         **_warps(max(1, min(4, block_g * block_s // 256))))
     return ids, w
 

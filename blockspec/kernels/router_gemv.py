@@ -4,8 +4,13 @@
 the bf16 activations to fp32, then a cuBLAS GEMV (dot + reduce) at T=1 or a CUTLASS SIMT sgemm
 with a split-K reduce at speculative-verify sizes (~9.5 us at T=6 on an H200). Here one kernel
 reads x in its own dtype, widens it in registers, and accumulates in fp32, with the 1.4 MB fp32
-weight read spread over many programs (a few experts x a block of tokens each) and no split-K,
-so the result is deterministic. Tuned for T <= 64 (decode and verify); any T is correct.
+weight read spread over many programs (a few experts x a block of tokens x a K split each).
+
+At decode and verify sizes the K dimension is split across programs (``router_partials``:
+``[S, T, E]`` partial sums, S = 3 at Lightning's H = 2688), so every program issues its loads
+once and waits one memory round trip instead of S in a row; the routing kernel sums the S
+partials in index order as it reads them, so there is no reduce launch and the result is
+deterministic. ``router_logits`` is the same with the partials summed (tests, other callers).
 ``router_logits_reference`` is the torch code, kept for the tests and for the CPU.
 """
 from __future__ import annotations
@@ -23,6 +28,7 @@ _TILE = 8192          # elements of the per-program [BLOCK_T, BLOCK_E, BLOCK_K] 
 _MAX_BLOCK_T = 16
 _MAX_BLOCK_E = 8
 _MAX_BLOCK_K = 1024
+_PROGRAMS_PER_SM = 3  # K splits stop before the grid passes this many programs per SM
 
 
 def router_logits_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -45,6 +51,17 @@ def _blocks(t: int, e: int, h: int, sms: int) -> tuple[int, int, int]:
         block_e *= 2
     block_k = min(max(_TILE // (block_t * block_e), 32), _MAX_BLOCK_K, next_pow2(h, 16))
     return block_t, block_e, block_k
+
+
+def _splits(programs: int, chunks: int, sms: int) -> int:
+    """K splits for a grid of ``programs`` (expert x token blocks) over ``chunks`` K chunks: as
+    many as keep the grid within ``_PROGRAMS_PER_SM`` programs per SM (one wave of small
+    programs), at most one per chunk. Lightning on an H200 (132 SMs): 128 programs and 3
+    chunks of 1024 at T <= 8 -> 3 splits, 384 programs of one chunk each; T = 64 -> none."""
+    splits = 1
+    while splits < chunks and programs * (splits + 1) <= _PROGRAMS_PER_SM * sms:
+        splits += 1
+    return splits
 
 
 def _shape(a) -> object:
@@ -70,34 +87,57 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"x must be on weight's device {weight.device}, got {x.device}")
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, *,
-                  blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """``x [T, H]`` (any float dtype) times ``weight [E, H]`` (fp32, contiguous) transposed ->
-    ``[T, E]`` fp32, the fused form of ``router_logits_reference`` (fp32 sums taken in another
-    order: equal to within fp32 rounding). ``blocks`` = (BLOCK_T, BLOCK_E, BLOCK_K), powers of
-    two, overrides the tile choice (for tuning and tests)."""
+def router_partials(x: torch.Tensor, weight: torch.Tensor, *,
+                    blocks: tuple[int, int, int] | None = None,
+                    splits: int | None = None) -> torch.Tensor:
+    """``x [T, H]`` (any float dtype) times ``weight [E, H]`` (fp32, contiguous) transposed, as
+    ``[S, T, E]`` fp32 partial sums over S consecutive ranges of H: their sum in index order
+    is the router logits (equal to ``router_logits_reference`` within fp32 rounding, since
+    the sums run in another order). ``blocks`` = (BLOCK_T, BLOCK_E, BLOCK_K), powers of two,
+    and ``splits`` override the tile and split choice (for tuning and tests)."""
     _check(x, weight)
     t, h = x.shape
     e = weight.shape[0]
-    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    if t == 0 or e == 0:
-        return out
-    if h == 0:
-        return out.zero_()
+    if blocks is not None and any(b < 1 or b & (b - 1) for b in blocks):
+        raise ValueError(f"blocks must be powers of two, got {blocks}")
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits must be >= 1, got {splits}")
+    if t == 0 or e == 0 or h == 0:
+        return torch.zeros(1, t, e, dtype=torch.float32, device=x.device)
+    sms = sm_count(x.device, cpu=8)
+    block_t, block_e, block_k = blocks or _blocks(t, e, h, sms)
+    chunks = -(-h // block_k)
+    if splits is None:
+        splits = _splits(-(-e // block_e) * -(-t // block_t), chunks, sms)
+    splits = min(splits, chunks)
+    out = torch.empty(splits, t, e, dtype=torch.float32, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     if interpreting():
         x = x.clone() if x.storage_offset() else x
         weight = weight.clone() if weight.storage_offset() else weight
-    if blocks is None:
-        blocks = _blocks(t, e, h, sm_count(x.device, cpu=8))
-    block_t, block_e, block_k = blocks
-    if any(b < 1 or b & (b - 1) for b in blocks):
-        raise ValueError(f"blocks must be powers of two, got {blocks}")
-    grid = (-(-e // block_e), -(-t // block_t))
+    k_iters = -(-chunks // splits)
+    grid = (-(-e // block_e), -(-t // block_t), splits)
     load_kernels(_KERNELS)._router_gemv_kernel[grid](
-        x, weight, out, t, e, h, x.stride(0), out.stride(0),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, K_ITERS=-(-h // block_k),
+        x, weight, out, t, e, h, x.stride(0), out.stride(1), out.stride(0),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, K_ITERS=k_iters,
         **({} if interpreting() else
            {"num_warps": 8 if block_t * block_e * block_k > 4096 else 4}))
     return out
+
+
+def sum_partials(partials: torch.Tensor) -> torch.Tensor:
+    """``[S, T, E]`` -> ``[T, E]``, adding the splits in index order (as the routing kernel
+    does), so the same partials always give the same logits."""
+    out = partials[0]
+    for p in partials[1:]:
+        out = out + p
+    return out
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, *,
+                  blocks: tuple[int, int, int] | None = None,
+                  splits: int | None = None) -> torch.Tensor:
+    """The fused form of ``router_logits_reference``: ``router_partials`` summed, ``[T, E]``
+    fp32 (same arguments)."""
+    return sum_partials(router_partials(x, weight, blocks=blocks, splits=splits))
