@@ -95,3 +95,61 @@ def test_write_context_takes_the_kernel_on_cuda(monkeypatch):
         model.write_context(feats, pos, slots, ref)
     torch.testing.assert_close(fast.v, ref.v)
     torch.testing.assert_close(fast.k.float(), ref.k.float(), rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,q_heads,kv_heads,d,layer", [(4, 4, 2, 16, 1), (1, 3, 1, 8, 0),
+                                                          (9, 8, 2, 32, 2)])
+def test_block_qkv_matches_torch(mode, dtype, rows, q_heads, kv_heads, d, layer):
+    """A draft block's q (q_norm + rotary) and its K/V cache write in one launch, against the
+    norms', rotaries' and backends' torch math; other slots and layers stay untouched."""
+    from blockspec.kernels.draft_kv import draft_block_qkv, draft_block_qkv_reference
+    from blockspec.layers.norm import RMSNorm
+    from blockspec.layers.rotary import rope_inv_freq
+
+    g = torch.Generator().manual_seed(rows * 31 + d)
+    qkv = (2 * torch.randn(rows, (q_heads + 2 * kv_heads) * d, generator=g)).to(mode, dtype)
+    pos = torch.randint(0, 30000, (rows,), generator=g).to(mode)
+    slots = torch.randperm(40, generator=g)[:rows].to(mode)
+    q_norm, k_norm = RMSNorm(d, 1e-6, dtype), RMSNorm(d, 1e-5, dtype)
+    q_norm.weight.data.uniform_(0.5, 1.5, generator=g)
+    k_norm.weight.data.uniform_(0.5, 1.5, generator=g)
+    q_norm, k_norm = q_norm.to(mode), k_norm.to(mode)
+    freq = rope_inv_freq(d, 5e5).to(mode)
+    pools = [torch.zeros(3, 40, kv_heads, d, dtype=dtype, device=mode) for _ in range(4)]
+    args = (qkv, pos, slots, q_norm, k_norm, freq)
+    want = draft_block_qkv_reference(*args, pools[0], pools[1], layer, q_heads)
+    got = draft_block_qkv(*args, pools[2], pools[3], layer, q_heads)
+    assert got.shape == (rows, q_heads, d) and got.dtype == dtype
+    touched = torch.zeros(3, 40, dtype=torch.bool, device=mode)
+    touched[layer, slots] = True
+    assert not pools[2][~touched].any() and not pools[3][~touched].any()
+    assert torch.equal(pools[3], pools[1])             # V: copied as it comes
+    for fast, ref in ((got, want), (pools[2], pools[0])):
+        if dtype == torch.float32:
+            torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+        else:   # two roundings to bf16: within 2 ulps of the largest
+            big = ref.float().abs().max().item()
+            torch.testing.assert_close(fast.float(), ref.float(), rtol=2 ** -6,
+                                       atol=big * 2 ** -6)
+
+
+def test_block_qkv_names_bad_shapes():
+    from blockspec.kernels.draft_kv import draft_block_qkv
+    from blockspec.layers.norm import RMSNorm
+
+    norm = RMSNorm(8)
+    pool = torch.zeros(2, 10, 1, 8)
+    with pytest.raises(ValueError, match=r"qkv must be \[N, \(2 \+ 2 x 1\) x 8\]"):
+        draft_block_qkv(torch.zeros(3, 24), torch.zeros(3, dtype=torch.long),
+                        torch.zeros(3, dtype=torch.long), norm, norm, torch.ones(4), pool, pool,
+                        0, 2)
+    with pytest.raises(ValueError, match="layer 2 outside the pools' 2"):
+        draft_block_qkv(torch.zeros(3, 32), torch.zeros(3, dtype=torch.long),
+                        torch.zeros(3, dtype=torch.long), norm, norm, torch.ones(4), pool, pool,
+                        2, 2)
+    with pytest.raises(ValueError, match="pools must be"):
+        draft_block_qkv(torch.zeros(3, 32), torch.zeros(3, dtype=torch.long),
+                        torch.zeros(3, dtype=torch.long), norm, norm, torch.ones(4), pool[0],
+                        pool[0], 0, 2)
