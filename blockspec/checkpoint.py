@@ -1,10 +1,11 @@
 """Reading a model folder: config.json, safetensors shards (memory-mapped), strict name and shape
-checks with errors that name the tensor, and a progress bar for large checkpoints."""
+checks with errors that name the tensor, and a progress bar for large checkpoints; the logical
+shape of a packed linear weight as stored."""
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -274,3 +275,37 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path,
         out[k] = v.clone() if ptr in seen else v
         seen.add(ptr)
     save_file(out, str(path), metadata={"format": "pt", **(metadata or {})})
+
+
+def _pack_factor(module: nn.Module) -> int | None:
+    """Values per stored element of a (possibly packed) linear weight, None when unpacked."""
+    pf = getattr(module, "pack_factor", None)
+    w = getattr(module, "weight", None)
+    if pf is None and w is not None:
+        pf = getattr(w, "pack_factor", None)
+    if pf is None and isinstance(w, torch.Tensor) and w.dtype == torch.uint8:
+        pf = 2                      # NVFP4: two E2M1 codes per byte
+    return int(pf) if pf is not None else None
+
+
+def logical_linear_weight_shape(module: nn.Module, loaded: torch.Tensor | Sequence[int],
+                                output_features: int) -> tuple[int, ...]:
+    """Logical [out, in] shape of a loaded (possibly packed) linear weight (dflash.md §4.2).
+
+    If the module's weight is not packed, or the loaded tensor's shape differs from the
+    module's storage shape, the loaded shape is returned unchanged.  Otherwise the loaded
+    numel times the pack factor is reshaped to ``(output_features, numel // output_features)``
+    (``(numel,)`` if that does not divide).
+    """
+    shape = tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(int(s) for s in loaded)
+    w = getattr(module, "weight", None)
+    pf = _pack_factor(module)
+    if pf is None or not isinstance(w, torch.Tensor) or tuple(w.shape) != shape:
+        return shape
+    numel = 1
+    for s in shape:
+        numel *= s
+    logical = numel * pf
+    if output_features > 0 and logical % output_features == 0:
+        return (output_features, logical // output_features)
+    return (logical,)

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from blockspec.layers.rotary import apply_rotary
+from blockspec.checkpoint import logical_linear_weight_shape
 from blockspec.models.dflash import (
     DFlashDraftModel,
     build_draft_model,
-    logical_linear_weight_shape,
     select_draft_hidden_without_anchor,
 )
 from blockspec.models.draft_config import (

@@ -17,6 +17,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from blockspec.attention.torch_native import masked_attention
+from blockspec.checkpoint import logical_linear_weight_shape
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.fused_linear import fuse_linears
 from blockspec.layers.linear import QuantPlan, build_linear
@@ -50,39 +51,6 @@ def select_draft_hidden_without_anchor(hidden: torch.Tensor, expected_rows: int)
             f"select_draft_hidden_without_anchor: hidden has {hidden.shape[1]} query rows, "
             f"expected {expected_rows + 1} (anchor row + {expected_rows} draft rows)")
     return hidden[:, 1:]
-
-
-def _pack_factor(module: nn.Module) -> int | None:
-    pf = getattr(module, "pack_factor", None)
-    w = getattr(module, "weight", None)
-    if pf is None and w is not None:
-        pf = getattr(w, "pack_factor", None)
-    if pf is None and isinstance(w, torch.Tensor) and w.dtype == torch.uint8:
-        pf = 2                      # NVFP4: two E2M1 codes per byte
-    return int(pf) if pf is not None else None
-
-
-def logical_linear_weight_shape(module: nn.Module, loaded: torch.Tensor | Sequence[int],
-                                output_features: int) -> tuple[int, ...]:
-    """Logical [out, in] shape of a loaded (possibly packed) linear weight (dflash.md §4.2).
-
-    If the module's weight is not packed, or the loaded tensor's shape differs from the
-    module's storage shape, the loaded shape is returned unchanged.  Otherwise the loaded
-    numel times the pack factor is reshaped to ``(output_features, numel // output_features)``
-    (``(numel,)`` if that does not divide).
-    """
-    shape = tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(int(s) for s in loaded)
-    w = getattr(module, "weight", None)
-    pf = _pack_factor(module)
-    if pf is None or not isinstance(w, torch.Tensor) or tuple(w.shape) != shape:
-        return shape
-    numel = 1
-    for s in shape:
-        numel *= s
-    logical = numel * pf
-    if output_features > 0 and logical % output_features == 0:
-        return (output_features, logical // output_features)
-    return (logical,)
 
 
 class DraftEmbedding(nn.Module):
