@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2
+from blockspec.layers.rotary import apply_rotary_reference
 
 _KERNELS = Path(__file__).with_name("_draft_kv_kernels.py")
 
@@ -71,8 +72,6 @@ def draft_block_qkv_reference(qkv: torch.Tensor, positions: torch.Tensor, slots:
                               layer: int, q_heads: int) -> torch.Tensor:
     """The torch form of ``draft_block_qkv`` (``RMSNorm.reference``, ``apply_rotary_reference``
     and the attention backends' cache write), same arguments."""
-    from blockspec.layers.rotary import apply_rotary_reference
-
     kv_heads, d = _check_block(qkv, q_heads, k_pool, v_pool, layer)
     n = qkv.shape[0]
     q, k, v = qkv.split([q_heads * d, kv_heads * d, kv_heads * d], dim=-1)

@@ -10,7 +10,7 @@ At decode and verify sizes the K dimension is split across programs (``router_pa
 ``[S, T, E]`` partial sums, S = 3 at Lightning's H = 2688), so every program issues its loads
 once and waits one memory round trip instead of S in a row; the routing kernel sums the S
 partials in index order as it reads them, so there is no reduce launch and the result is
-deterministic. ``router_logits`` is the same with the partials summed (tests, other callers).
+deterministic (``sum_partials`` adds them in the same order, for the tests).
 ``router_logits_reference`` is the torch code, kept for the tests and for the CPU.
 """
 from __future__ import annotations
@@ -58,10 +58,7 @@ def _splits(programs: int, chunks: int, sms: int) -> int:
     many as keep the grid within ``_PROGRAMS_PER_SM`` programs per SM (one wave of small
     programs), at most one per chunk. Lightning on an H200 (132 SMs): 128 programs and 3
     chunks of 1024 at T <= 8 -> 3 splits, 384 programs of one chunk each; T = 64 -> none."""
-    splits = 1
-    while splits < chunks and programs * (splits + 1) <= _PROGRAMS_PER_SM * sms:
-        splits += 1
-    return splits
+    return max(1, min(chunks, _PROGRAMS_PER_SM * sms // max(programs, 1)))
 
 
 def _shape(a) -> object:
@@ -133,11 +130,3 @@ def sum_partials(partials: torch.Tensor) -> torch.Tensor:
     for p in partials[1:]:
         out = out + p
     return out
-
-
-def router_logits(x: torch.Tensor, weight: torch.Tensor, *,
-                  blocks: tuple[int, int, int] | None = None,
-                  splits: int | None = None) -> torch.Tensor:
-    """The fused form of ``router_logits_reference``: ``router_partials`` summed, ``[T, E]``
-    fp32 (same arguments)."""
-    return sum_partials(router_partials(x, weight, blocks=blocks, splits=splits))

@@ -30,7 +30,7 @@ from blockspec.kernels import moe_routing
 from blockspec.kernels.moe_combine import moe_combine, moe_combine_reference
 from blockspec.kernels.moe_pairs import DEDUP_MAX_TOKENS, pair_gemv
 from blockspec.kernels.relu2 import relu2 as relu2_kernel, relu2_reference
-from blockspec.kernels.router_gemv import router_logits_reference, router_partials, sum_partials
+from blockspec.kernels.router_gemv import router_logits_reference, router_partials
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.models.nemotron_h_config import NemotronHConfig
@@ -74,15 +74,11 @@ class TopkRouter(nn.Module):
         and the routing another, which sums the GEMV's partials; elsewhere
         ``router_logits_reference`` and ``route_reference``."""
         w = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
-        if use_triton(x) and x.dim() == 2 and w.is_contiguous():
-            logits = router_partials(x, w)          # [S, T, E]
-        else:
-            logits = router_logits_reference(x, w)
         args = (self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
                 self.norm_topk_prob, self.scale)
-        if use_triton(logits):
-            return moe_routing.route(logits, *args)
-        return route_reference(logits if logits.dim() == 2 else sum_partials(logits), *args)
+        if use_triton(x) and x.dim() == 2 and w.is_contiguous():
+            return moe_routing.route(router_partials(x, w), *args)     # partials [S, T, E]
+        return route_reference(router_logits_reference(x, w), *args)
 
 
 def route_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,

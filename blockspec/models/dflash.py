@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from blockspec.attention.torch_native import masked_attention
 from blockspec.checkpoint import logical_linear_weight_shape
+from blockspec.kernels.draft_kv import draft_block_qkv, draft_block_qkv_reference
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.fused_linear import fuse_linears
 from blockspec.layers.linear import QuantPlan, build_linear
@@ -147,27 +148,17 @@ class DraftAttention(nn.Module):
         draft context pool at the block positions (beyond the committed length, so a later
         commit overwrites them) and each row attends to context + block."""
         n = hn.shape[0]
-        k_cache, v_cache = meta.kv.k[cache_index], meta.kv.v[cache_index]
-        how = dict(scale=self.scale, causal=causal, window=window, sink=self.attention_sink_bias)
-        if self.qkv_weight is not None and use_triton(hn) and meta.kv.k.is_contiguous():
-            # both norms, both rotaries and the block's cache write in one launch
-            from blockspec.kernels.draft_kv import draft_block_qkv
-
-            q = draft_block_qkv(F.linear(hn, self.qkv_weight), meta.positions, meta.out_slots,
-                                self.q_norm, self.k_norm, self.rotary.inv_freq, meta.kv.k,
-                                meta.kv.v, cache_index, self.num_heads)
-            o = meta.attn.attend(q, k_cache, v_cache, meta, **how)
-        else:
-            if self.qkv_weight is not None:
-                nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-                q, k, v = F.linear(hn, self.qkv_weight).split([nq, nkv, nkv], dim=-1)
-                k, v = self._kv_rows(k, v, meta.positions)
-            else:
-                q = self.q_proj(hn)
-                k, v = self.project_kv(hn, meta.positions)
-            q = self.rotary(self.q_norm(q.reshape(n, self.num_heads, self.head_dim)),
-                            meta.positions)
-            o = meta.attn.forward(q, k, v, k_cache, v_cache, meta, **how)
+        if self.qkv_weight is not None:
+            qkv = F.linear(hn, self.qkv_weight)
+        else:       # projections that do not fuse (quantized, biased): Q, K, V heads per row
+            qkv = torch.cat([self.q_proj(hn), self.k_proj(hn), self.v_proj(hn)], dim=-1)
+        # both norms, both rotaries and the block's cache write: one launch on the GPU
+        write = draft_block_qkv if use_triton(hn) else draft_block_qkv_reference
+        q = write(qkv, meta.positions, meta.out_slots, self.q_norm, self.k_norm,
+                  self.rotary.inv_freq, meta.kv.k, meta.kv.v, cache_index, self.num_heads)
+        o = meta.attn.attend(q, meta.kv.k[cache_index], meta.kv.v[cache_index], meta,
+                             scale=self.scale, causal=causal, window=window,
+                             sink=self.attention_sink_bias)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
 
 
