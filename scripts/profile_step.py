@@ -166,7 +166,8 @@ def main() -> None:
     if draft is not None:
         e.drafter.simulate_accept_length = a.simulate_accept_length
     if a.verify_only:
-        from blockspec.runtime.metadata import Mode, uniform_metadata
+        from blockspec.forward_metadata import Mode
+        from blockspec.runtime.metadata import uniform_metadata
 
         m = e.memory
         m.set_step_width(a.width)

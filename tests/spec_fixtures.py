@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from blockspec.models.dflash import build_draft_model
-from blockspec.models.draft_config import parse_draft_config
+from blockspec.configs.draft import parse_draft_config
 from tests.hf_oracle import build_hf, save_hf
 
 SPEC_TARGET = dict(pattern="ME*-M*E", spelling="new", vocab_size=24)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from blockspec.attention.torch_native import TorchNativeAttention
-from blockspec.runtime.metadata import Mode, extend_metadata, uniform_metadata
+from blockspec.forward_metadata import Mode
+from blockspec.runtime.metadata import extend_metadata, uniform_metadata
 
 triton = pytest.importorskip("triton")
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from blockspec import Engine
 from blockspec.checkpoint import CheckpointError
-from blockspec.models.nemotron_h_config import ConfigError
+from blockspec.configs.nemotron_h import ConfigError
 from blockspec.sampling import SamplingParamsError
 from tests.ckpt_edit import edited_copy
 from tests.hf_oracle import make_checkpoint

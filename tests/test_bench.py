@@ -72,10 +72,10 @@ def test_preset_too_big_for_the_cpu_is_refused_with_the_figure(monkeypatch):
 
 
 def test_expert_bytes_follow_touched_experts(tmp_path):
-    from blockspec.demo import write_demo_model
+    from blockspec.tiny_model import write_tiny_model
     from blockspec.engine import Engine
 
-    e = Engine(model_path=str(write_demo_model(tmp_path / "m")), device="cpu")
+    e = Engine(model_path=str(write_tiny_model(tmp_path / "m")), device="cpu")
     one, many = step_weight_bytes(e.model, 1), step_weight_bytes(e.model, 64)
     expert = sum(t.numel() * t.element_size() for n, t in e.model.state_dict().items() if ".experts." in n)
     emb_row = e.config.hidden_size * 4
@@ -128,7 +128,7 @@ def test_a_new_graph_size_comes_with_every_smaller_size_it_lacks(tmp_path):
     """``ensure_graph`` captures the graph asked for and every smaller captured size not yet
     there (a batch shrinks into those as requests finish), largest first, each once."""
     from blockspec import Engine
-    from blockspec.demo import write_demo_model
+    from blockspec.tiny_model import write_tiny_model
     from blockspec.runtime.graph_runner import capture_sizes
 
     class Graphs:          # the GraphRunner surface ensure_graph uses, without CUDA
@@ -141,7 +141,7 @@ def test_a_new_graph_size_comes_with_every_smaller_size_it_lacks(tmp_path):
         def capture(self, key, fn):
             self.captured.append(key)
 
-    e = Engine(model_path=str(write_demo_model(tmp_path / "m")), device="cpu")
+    e = Engine(model_path=str(write_tiny_model(tmp_path / "m")), device="cpu")
     key = (True, False, False)
     try:
         runner = e.runner

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from blockspec import args as args_mod
-from blockspec import demo
+from blockspec import tiny_model
 from blockspec.args import EngineArgs
 from blockspec.cli import _HelpFormatter, build_parser, main
 from blockspec.demo_family import EXAMPLE_QUESTION, FAMILY_DIR
@@ -26,7 +26,7 @@ QUANT_FIX = Path(__file__).parent / "fixtures" / "modelopt" / "dense"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    return str(demo.write_demo_model(tmp_path_factory.mktemp("cli") / "demo"))
+    return str(tiny_model.write_tiny_model(tmp_path_factory.mktemp("cli") / "demo"))
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockspec import Engine
-from blockspec.models.draft_config import DraftConfigError
+from blockspec.configs.draft import DraftConfigError
 from tests.ckpt_edit import edited_copy
 from tests.spec_fixtures import (draft_config, make_spec_target, two_token_chi_square_pvalue,
                                  write_draft)

@@ -14,7 +14,7 @@ from blockspec.models.dflash import (
     build_draft_model,
     select_draft_hidden_without_anchor,
 )
-from blockspec.models.draft_config import (
+from blockspec.configs.draft import (
     DraftConfigError,
     normalize_draft_tensor_names,
     parse_draft_config,

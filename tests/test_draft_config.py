@@ -5,7 +5,7 @@ import copy
 
 import pytest
 
-from blockspec.models.draft_config import (
+from blockspec.configs.draft import (
     DraftConfigError,
     build_target_layer_ids,
     is_nemotron_35_draft_config,

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from blockspec import Engine
-from blockspec.models.draft_config import DraftConfigError
+from blockspec.configs.draft import DraftConfigError
 from blockspec.speculative.draft_loader import load_draft
 from tests.ckpt_edit import edited_copy
 from tests.spec_fixtures import draft_config, make_spec_target, write_draft

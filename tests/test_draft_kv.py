@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.engine.memory import KVPool
+from blockspec.cache import KVPool
 from blockspec.kernels.draft_kv import write_draft_kv
 from blockspec.models.dflash import build_draft_model
-from blockspec.models.draft_config import parse_draft_config
+from blockspec.configs.draft import parse_draft_config
 from tests.spec_fixtures import draft_config
 from tests.triton_modes import MODES, mode  # noqa: F401  (mode: fixture)
 
@@ -106,7 +106,7 @@ def test_block_qkv_matches_torch(mode, dtype, rows, q_heads, kv_heads, d, layer)
     norms', rotaries' and backends' torch math; other slots and layers stay untouched."""
     from blockspec.kernels.draft_kv import draft_block_qkv, draft_block_qkv_reference
     from blockspec.layers.norm import RMSNorm
-    from blockspec.layers.rotary import rope_inv_freq
+    from blockspec.kernels.rotary import rope_inv_freq
 
     g = torch.Generator().manual_seed(rows * 31 + d)
     qkv = (2 * torch.randn(rows, (q_heads + 2 * kv_heads) * d, generator=g)).to(mode, dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.models.draft_config import DraftConfigError, parse_draft_config
+from blockspec.configs.draft import DraftConfigError, parse_draft_config
 from blockspec.models.dflash import DFlashDraftModel, build_draft_model
 from blockspec.models.dspark import (
     DSparkDraftModel,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from blockspec import Engine
-from blockspec.demo import write_demo_model
+from blockspec.tiny_model import write_tiny_model
 from tests.hf_oracle import make_checkpoint
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
@@ -94,7 +94,7 @@ def test_eos_stops_unless_ignored(engine):
 
 
 def test_text_prompts_chat_tokenizer_and_stop_strings(tmp_path):
-    folder = write_demo_model(tmp_path / "demo")
+    folder = write_tiny_model(tmp_path / "demo")
     e = Engine(model_path=str(folder), device="cpu")
     out = e.generate(prompt="Hello", sampling_params={"max_new_tokens": 12, "temperature": 0,
                                                     "ignore_eos": True})

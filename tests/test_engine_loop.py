@@ -10,7 +10,7 @@ import time
 import pytest
 
 from blockspec import Engine
-from blockspec.demo import write_demo_model
+from blockspec.tiny_model import write_tiny_model
 from blockspec.engine.stop import IncrementalDetokenizer, held_back
 from blockspec.sampling import SamplingParams
 
@@ -19,7 +19,7 @@ GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return write_demo_model(tmp_path_factory.mktemp("loop") / "demo")
+    return write_tiny_model(tmp_path_factory.mktemp("loop") / "demo")
 
 
 @pytest.fixture(scope="module")

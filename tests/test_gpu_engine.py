@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockspec import Engine
-from blockspec.demo import write_demo_model
+from blockspec.tiny_model import write_tiny_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -19,7 +19,7 @@ GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return write_demo_model(tmp_path_factory.mktemp("gpu") / "demo")
+    return write_tiny_model(tmp_path_factory.mktemp("gpu") / "demo")
 
 
 def test_cuda_fp32_matches_cpu(demo):

@@ -119,7 +119,8 @@ def test_triton_paged_attention_matches_reference_at_lightning_shape(dtype, q_le
     """32 query heads, 2 KV heads, head dim 128, long and short contexts, shuffled pages."""
     from blockspec.attention import triton_paged as tp
     from blockspec.attention.torch_native import TorchNativeAttention
-    from blockspec.runtime.metadata import Mode, extend_metadata, uniform_metadata
+    from blockspec.forward_metadata import Mode
+    from blockspec.runtime.metadata import extend_metadata, uniform_metadata
 
     g = torch.Generator(device="cuda").manual_seed(q_len)
     page, hq, hkv, d = 16, 32, 2, 128

@@ -7,7 +7,7 @@ import torch
 
 from blockspec.layers.mamba2 import Mamba2Mixer
 from blockspec.layers.norm import GatedGroupRMSNorm, RMSNorm
-from blockspec.models.nemotron_h_config import NemotronHConfig
+from blockspec.configs.nemotron_h import NemotronHConfig
 
 from tests.triton_modes import GPU, MODES, mode  # noqa: F401  (mode: fixture)
 
@@ -103,7 +103,7 @@ def test_commit_verify_kernel_matches_reference(mode, conv_kernel, width, head_d
     """All layers adopt the state after each row's accepted position: the SSM state replayed
     from the scratch's step inputs, the conv window shifted through the block's inputs (kernel
     vs the pool's torch code; the kernel's fma rounds once where torch rounds twice)."""
-    from blockspec.engine.memory import MambaStatePool
+    from blockspec.cache import MambaStatePool
     from blockspec.kernels.mamba_step import commit_verify
 
     g = torch.Generator().manual_seed(conv_kernel * 10 + width)
@@ -138,7 +138,7 @@ def test_verify_then_commit_kernels_equal_decode_kernel(mode):
     """Lossless speculation needs the committed state to be the one decoding would reach:
     verify T positions, commit position i (both kernels) == i + 1 decode steps of the step
     kernel, bit for bit, outputs included."""
-    from blockspec.engine.memory import MambaStatePool
+    from blockspec.cache import MambaStatePool
     from blockspec.kernels.mamba_step import commit_verify, mamba_steps
 
     T = 5

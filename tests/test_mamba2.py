@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from blockspec.layers.mamba2 import Mamba2Mixer, ssd_chunked_scan, ssm_recurrent_steps
-from blockspec.models.nemotron_h_config import NemotronHConfig
+from blockspec.configs.nemotron_h import NemotronHConfig
 
 
 def _mixer(seed: int = 0) -> Mamba2Mixer:
@@ -39,7 +39,7 @@ class Pool:
     """One layer's worth of MambaStatePool: state tensors for ``slots`` requests + verify scratch."""
 
     def __init__(self, m: Mamba2Mixer, slots: int, width: int, g: torch.Generator) -> None:
-        from blockspec.engine.memory import MambaStatePool
+        from blockspec.cache import MambaStatePool
 
         self.p = MambaStatePool(1, slots, m.conv_dim, m.K, m.H, m.P, m.N, torch.float32,
                                 torch.device("cpu"), groups=m.G)

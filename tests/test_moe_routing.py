@@ -130,7 +130,7 @@ def test_router_and_sort_take_the_kernels_on_cuda_inside_a_graph(monkeypatch):
     sort_by_expert answers through the reference."""
     from blockspec.kernels import moe_routing
     from blockspec.layers import moe
-    from blockspec.models.nemotron_h_config import NemotronHConfig
+    from blockspec.configs.nemotron_h import NemotronHConfig
 
     cfg = NemotronHConfig.from_dict({
         "model_type": "nemotron_h", "hybrid_override_pattern": "E", "vocab_size": 16,

@@ -7,7 +7,8 @@ import torch
 
 from blockspec.kernels.rotary import rotary, rotary_supported
 from blockspec.layers import rotary as rotary_layer
-from blockspec.layers.rotary import RotaryEmbedding, apply_rotary_reference, rope_inv_freq
+from blockspec.kernels.rotary import apply_rotary_reference, rope_inv_freq
+from blockspec.layers.rotary import RotaryEmbedding
 
 from tests.triton_modes import GPU, MODES, mode  # noqa: F401  (mode: fixture)
 
@@ -107,12 +108,10 @@ def test_apply_rotary_takes_the_kernel_when_triton_is_on(monkeypatch):
     """The layer's dispatch, in the interpreter: with use_triton on, RotaryEmbedding runs the
     kernel (seen through a spy) and matches the reference; positions the kernel does not cover
     (float) go to the reference."""
-    import blockspec.kernels.rotary as kernels
-
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(rotary_layer, "use_triton", lambda x: True)
     calls = []
-    monkeypatch.setattr(kernels, "rotary", lambda *a: calls.append(1) or rotary(*a))
+    monkeypatch.setattr(rotary_layer, "rotary", lambda *a: calls.append(1) or rotary(*a))
     rope = RotaryEmbedding(32, 10000.0)
     x, pos = _inputs((2, 3), 4, 32, torch.bfloat16, seed=3)
     _assert_matches(rope(x, pos), apply_rotary_reference(x, pos, inv_freq=rope.inv_freq))

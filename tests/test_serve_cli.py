@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from blockspec.cli import build_parser as _parser  # noqa: E402
-from blockspec.demo import write_demo_model  # noqa: E402
+from blockspec.tiny_model import write_tiny_model  # noqa: E402
 
 
 def test_serve_flags_and_defaults():
@@ -69,7 +69,7 @@ class _Proc:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return write_demo_model(tmp_path_factory.mktemp("serve_cli") / "demo")
+    return write_tiny_model(tmp_path_factory.mktemp("serve_cli") / "demo")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from blockspec import Engine  # noqa: E402
-from blockspec.demo import write_demo_model  # noqa: E402
+from blockspec.tiny_model import write_tiny_model  # noqa: E402
 from blockspec.server.launch import ServerThread  # noqa: E402
 
 KEY = "sk-test-key"
@@ -26,7 +26,7 @@ OFFLINE = {"temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return write_demo_model(tmp_path_factory.mktemp("serve") / "demo")
+    return write_tiny_model(tmp_path_factory.mktemp("serve") / "demo")
 
 
 @pytest.fixture(scope="module")

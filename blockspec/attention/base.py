@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from blockspec.runtime.metadata import ForwardMetadata
+    from blockspec.forward_metadata import ForwardMetadata
 
 
 class AttentionBackend(ABC):

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.attention.base import AttentionBackend
-from blockspec.runtime.metadata import flat_slots
+from blockspec.forward_metadata import flat_slots
 
 if TYPE_CHECKING:
-    from blockspec.runtime.metadata import ForwardMetadata
+    from blockspec.forward_metadata import ForwardMetadata
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,

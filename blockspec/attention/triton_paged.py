@@ -20,7 +20,7 @@ from blockspec.attention.base import AttentionBackend
 from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2, sm_count
 
 if TYPE_CHECKING:
-    from blockspec.runtime.metadata import ForwardMetadata
+    from blockspec.forward_metadata import ForwardMetadata
 
 BLOCK_N = 64
 

@@ -44,16 +44,16 @@ class LightningPlan:
 
 def preset_config(name: str) -> dict:
     if PRESETS[name] is None:
-        from blockspec.demo import DEMO_CONFIG
+        from blockspec.tiny_model import TINY_CONFIG
 
-        return dict(DEMO_CONFIG)
+        return dict(TINY_CONFIG)
     return dict(PRESETS[name])
 
 
 def weight_bytes(cfg_dict: dict, dtype: torch.dtype, quantized: bool) -> int:
     """Bytes the model's weights take (built on the meta device: nothing is allocated)."""
     from blockspec.models.nemotron_h import NemotronHForCausalLM
-    from blockspec.models.nemotron_h_config import NemotronHConfig
+    from blockspec.configs.nemotron_h import NemotronHConfig
 
     with torch.device("meta"):
         m = NemotronHForCausalLM(NemotronHConfig.from_dict(cfg_dict),
@@ -100,7 +100,7 @@ def randomize_(module: torch.nn.Module, seed: int = 0, std: float = 0.02) -> Non
 def build_target(name: str, device: torch.device, dtype: torch.dtype, quantized: bool = False):
     """A random preset target on ``device``, ready for ``Engine.from_model``."""
     from blockspec.models.nemotron_h import NemotronHForCausalLM
-    from blockspec.models.nemotron_h_config import NemotronHConfig
+    from blockspec.configs.nemotron_h import NemotronHConfig
     from blockspec.quant.linear import prepare_quantized
 
     cfg = NemotronHConfig.from_dict(preset_config(name))
@@ -134,7 +134,7 @@ def build_draft(kind: str, target_cfg: dict, block_size: int, device: torch.devi
     """A random draft on ``device`` for a target config (acceptance will be near 1: use
     ``--simulate-accept-length`` to time steps as if a trained draft were attached)."""
     from blockspec.models.dflash import build_draft_model
-    from blockspec.models.draft_config import parse_draft_config
+    from blockspec.configs.draft import parse_draft_config
 
     cfg = parse_draft_config(draft_config(kind, target_cfg, block_size),
                              target_num_layers=len(target_cfg.get("hybrid_override_pattern")

@@ -16,12 +16,12 @@ import torch
 from blockspec.args import DeviceInfo, EngineArgs, resolve_attention_backends
 from blockspec.checkpoint import read_config, resolve_dtype
 from blockspec.engine.loop import EngineClosedError, EngineLoop, LoopStats, StreamOutput
-from blockspec.engine.memory import CacheLayout, MemoryManager
+from blockspec.cache import CacheLayout, MemoryManager
 from blockspec.engine.request import Request
 from blockspec.engine.scheduler import Scheduler
 from blockspec.models.loader import load_target
 from blockspec.models.nemotron_h import NemotronHForCausalLM
-from blockspec.models.nemotron_h_config import NemotronHConfig
+from blockspec.configs.nemotron_h import NemotronHConfig
 from blockspec.runtime.model_runner import ModelRunner, RunnerOptions
 from blockspec.sampling import SamplingParams
 from blockspec.tokenizer import Tokenizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from blockspec.engine.memory import Reservation
+from blockspec.cache import Reservation
 from blockspec.sampling import SamplingParams
 
 

@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 from torch.profiler import record_function
 
-from blockspec.engine.memory import MemoryManager
+from blockspec.cache import MemoryManager
 from blockspec.engine.request import Request
 from blockspec.engine.stop import append_tokens
 from blockspec.runtime.metadata import StepBatch

@@ -1,5 +1,5 @@
 """Triton kernel of the fused NeoX rotary embedding (``kernels/rotary.py`` has the launcher; the
-torch reference is ``layers/rotary.apply_rotary_reference``)."""
+torch reference is ``kernels/rotary.apply_rotary_reference``)."""
 import os
 
 import triton

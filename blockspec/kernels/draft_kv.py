@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2
-from blockspec.layers.rotary import apply_rotary_reference
+from blockspec.kernels.rotary import apply_rotary_reference
 
 _KERNELS = Path(__file__).with_name("_draft_kv_kernels.py")
 

@@ -1,7 +1,8 @@
 """Fused NeoX rotary embedding for the GPU: one launch instead of the reference's ten or so small
 kernels (casts, angle product, cat, cos, sin, neg, cat, products, sum, cast), which the draft
-models pay for q and k in every layer of every speculative step. The torch reference is
-``layers/rotary.apply_rotary_reference``; ``layers/rotary.apply_rotary`` calls this on CUDA."""
+models pay for q and k in every layer of every speculative step. The torch reference
+(``apply_rotary_reference``, with the angle helpers it shares) is below; ``layers/rotary.apply_rotary``
+calls the kernel on CUDA."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -65,3 +66,38 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> 
         x3, pos, freq, y, heads, half, x3.stride(0), x3.stride(1),
         BLOCK_H=block_h, BLOCK_D=block_d, **extra)
     return y
+
+
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """``theta^(-2i/d)`` for i in 0..d/2-1, fp32."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (float(theta) ** exponent)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape ``positions.shape + (head_dim,)`` in fp32 (halves duplicated)."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device, torch.float32)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_reference(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0,
+                           inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch math of ``apply_rotary`` (the kernel's reference): angles, cos/sin and the
+    rotation in fp32, cast back to x's dtype."""
+    if x.dim() < 3:
+        raise ValueError(f"apply_rotary expects x [..., T, heads, d], got shape {tuple(x.shape)}")
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(x.shape[-1], theta, device=x.device)
+    cos, sin = rope_cos_sin(positions, inv_freq)           # [..., T, d]
+    cos = cos.unsqueeze(-2)                                 # [..., T, 1, d]
+    sin = sin.unsqueeze(-2)
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from blockspec.layers.linear import QuantPlan, build_linear
-from blockspec.models.nemotron_h_config import NemotronHConfig
+from blockspec.configs.nemotron_h import NemotronHConfig
 
 if TYPE_CHECKING:
-    from blockspec.runtime.metadata import ForwardMetadata
+    from blockspec.forward_metadata import ForwardMetadata
 
 
 class Attention(nn.Module):

@@ -22,7 +22,7 @@ from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.quant.linear import fused_input_scale
 from blockspec.layers.norm import GatedGroupRMSNorm
-from blockspec.models.nemotron_h_config import NemotronHConfig
+from blockspec.configs.nemotron_h import NemotronHConfig
 
 
 def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

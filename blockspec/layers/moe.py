@@ -33,7 +33,7 @@ from blockspec.kernels.relu2 import relu2 as relu2_kernel, relu2_reference
 from blockspec.kernels.router_gemv import router_logits_reference, router_partials
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
-from blockspec.models.nemotron_h_config import NemotronHConfig
+from blockspec.configs.nemotron_h import NemotronHConfig
 
 # the per-pair path's limit: beyond it grouping pairs by expert saves weight reads
 PAIR_PATH_MAX_PAIRS = 64

@@ -24,10 +24,10 @@ from blockspec.layers.fused_linear import fuse_linears
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
-from blockspec.models.draft_config import DraftConfig, DraftConfigError
+from blockspec.configs.draft import DraftConfig, DraftConfigError
 
 if TYPE_CHECKING:
-    from blockspec.runtime.metadata import ForwardMetadata
+    from blockspec.forward_metadata import ForwardMetadata
 
 ATTN_IMPLS = ("eager", "sdpa")
 

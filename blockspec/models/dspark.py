@@ -15,7 +15,7 @@ from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import Linear, QuantPlan, build_linear
 from blockspec.sampling import inverse_cdf_sample
 from blockspec.models.dflash import DFlashDraftModel, DraftEmbedding
-from blockspec.models.draft_config import DraftConfig, DraftConfigError, SUPPORTED_MARKOV_HEAD_TYPES
+from blockspec.configs.draft import DraftConfig, DraftConfigError, SUPPORTED_MARKOV_HEAD_TYPES
 
 MIN_DRAFT_TEMPERATURE = 1e-5
 

@@ -8,7 +8,7 @@ import torch
 
 from blockspec.checkpoint import TensorSource, load_state, read_config
 from blockspec.models.nemotron_h import NemotronHForCausalLM
-from blockspec.models.nemotron_h_config import NemotronHConfig
+from blockspec.configs.nemotron_h import NemotronHConfig
 
 log = logging.getLogger("blockspec")
 

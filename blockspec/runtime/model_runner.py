@@ -22,10 +22,11 @@ import torch
 
 from blockspec.args import ResolvedBackends
 from blockspec.attention import create_backend
-from blockspec.engine.memory import MemoryManager
+from blockspec.cache import MemoryManager
 from blockspec.models.nemotron_h import ModelOutput, NemotronHForCausalLM
 from blockspec.runtime.graph_runner import GraphRunner
-from blockspec.runtime.metadata import Mode, StepBatch, StepInputs, extend_metadata, uniform_metadata
+from blockspec.forward_metadata import Mode
+from blockspec.runtime.metadata import StepBatch, StepInputs, extend_metadata, uniform_metadata
 from blockspec.sampling import Stream, logprobs_of, sample, uniforms
 
 StepFn = Callable[[dict[str, torch.Tensor], tuple], torch.Tensor]

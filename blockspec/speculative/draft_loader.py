@@ -8,11 +8,11 @@ import torch
 
 from blockspec.checkpoint import TensorSource, load_state, read_config
 from blockspec.models.dflash import DFlashDraftModel, build_draft_model
-from blockspec.models.draft_config import (DraftConfig, DraftConfigError,
+from blockspec.configs.draft import (DraftConfig, DraftConfigError,
                                            normalize_draft_tensor_names, parse_draft_config,
                                            validate_against_target)
 from blockspec.models.loader import load_quant_plan
-from blockspec.models.nemotron_h_config import NemotronHConfig
+from blockspec.configs.nemotron_h import NemotronHConfig
 from blockspec.quant.linear import prepare_quantized
 
 log = logging.getLogger("blockspec")

@@ -18,7 +18,8 @@ import torch
 from blockspec.args import EngineArgs
 from blockspec.attention import create_backend
 from blockspec.models.dflash import DFlashDraftModel
-from blockspec.runtime.metadata import Mode, StepBatch, same_rows, uniform_metadata
+from blockspec.forward_metadata import Mode
+from blockspec.runtime.metadata import StepBatch, same_rows, uniform_metadata
 from blockspec.runtime.model_runner import Launched, ModelRunner
 from blockspec.sampling import Stream, logprobs_of, uniforms
 from blockspec.speculative.accept import verify_block

@@ -69,7 +69,7 @@ def build(ns: argparse.Namespace, target_cfg: dict, mask_id: int, device):
     import torch
 
     from blockspec.models.dflash import build_draft_model
-    from blockspec.models.draft_config import parse_draft_config
+    from blockspec.configs.draft import parse_draft_config
     from blockspec.train.draft_layout import default_target_layer_ids, draft_config
 
     if ns.layout == "nemotron35" and ns.quantize is None:

@@ -27,7 +27,7 @@ from blockspec.layers.attention import Attention
 from blockspec.layers.mamba2 import Mamba2Mixer
 from blockspec.layers.moe import TopkRouter
 from blockspec.models.nemotron_h import NemotronHForCausalLM
-from blockspec.models.nemotron_h_config import NemotronHConfig
+from blockspec.configs.nemotron_h import NemotronHConfig
 
 PATTERN_TO_TYPE = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 # transformers' current spelling of the four layer kinds (config.json ``layers_block_type``)

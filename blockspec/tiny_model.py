@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from blockspec.models.nemotron_h import NemotronHForCausalLM
-from blockspec.models.nemotron_h_config import NemotronHConfig
+from blockspec.configs.nemotron_h import NemotronHConfig
 
 SPECIALS = ["<pad>", "<s>", "</s>"]
-DEMO_CONFIG = {
+TINY_CONFIG = {
     "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
     "hybrid_override_pattern": "M*ME", "vocab_size": 259, "hidden_size": 64,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -61,9 +61,9 @@ def byte_level_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def write_demo_model(folder: Path, seed: int = 0) -> Path:
+def write_tiny_model(folder: Path, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = NemotronHConfig.from_dict(DEMO_CONFIG)
+    cfg = NemotronHConfig.from_dict(TINY_CONFIG)
     state = random_state(NemotronHForCausalLM(cfg, dtype=torch.float32), seed)
     save_file(state, str(folder / "model.safetensors"))
     (folder / "tokenizer.json").write_text(byte_level_tokenizer_json())
@@ -71,5 +71,5 @@ def write_demo_model(folder: Path, seed: int = 0) -> Path:
         "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
         "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<s>assistant: {% endif %}"}, indent=1))
-    (folder / "config.json").write_text(json.dumps(DEMO_CONFIG, indent=1))
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIG, indent=1))
     return folder

@@ -1,0 +1,129 @@
+"""Every cache the engine holds, sized up front, and the admission arithmetic over them.
+
+``MemoryManager`` owns the page allocator (``allocator.py``), the device block table, the KV
+pools (``kv_pool.py``: the target's and the draft context's, on the same pages) and the Mamba
+state pool (``mamba_pool.py``), and the request slots. Capacity is reserved at admission for
+every position a request may use, so a running request never runs out. A verify appends rows;
+discarding rejected rows is just a shorter length: nothing is copied.
+
+The last request slot and the first pages are a *dummy* request: CUDA-graph batches are
+padded to a captured size with rows that read and write only the dummy's cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from blockspec.cache.allocator import BlockAllocator
+from blockspec.cache.kv_pool import KVPool
+from blockspec.cache.mamba_pool import MambaStatePool
+
+
+# steps the scheduler keeps launched ahead of the one it reads back (engine/scheduler.py)
+STEPS_IN_FLIGHT = 2
+
+
+@dataclass
+class CacheLayout:
+    """What the target model needs cached (from its config)."""
+
+    num_attention_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_mamba_layers: int
+    conv_dim: int = 0
+    conv_kernel: int = 4
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    ssm_state_size: int = 0
+    mamba_groups: int = 1
+
+
+@dataclass
+class Reservation:
+    """A request's hold on the caches: its slot (block-table row and Mamba state row) and pages."""
+
+    slot: int = -1
+    pages: list[int] = field(default_factory=list)
+
+
+class MemoryManager:
+    """Owns the caches and answers admission; the runner reads the pools, never allocates."""
+
+    def __init__(self, layout: CacheLayout, *, max_total_tokens: int, max_requests: int,
+                 page_size: int, dtype: torch.dtype, device: torch.device,
+                 dummy_tokens: int = 64) -> None:
+        self.page_size = page_size
+        self.max_requests = max_requests
+        self.device = device
+        self.dtype = dtype
+        self.dummy_slot = max_requests
+        dummy_pages = -(-dummy_tokens // page_size)
+        num_pages = -(-max_total_tokens // page_size)
+        self.allocator = BlockAllocator(num_pages, page_size, first=dummy_pages)
+        self.total_pages = num_pages + dummy_pages
+        self.max_pages = max(num_pages, dummy_pages)
+        self.block_table = torch.zeros(max_requests + 1, self.max_pages, dtype=torch.int32, device=device)
+        self.block_table[self.dummy_slot, :dummy_pages] = torch.arange(dummy_pages, dtype=torch.int32)
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+        num_slots = self.total_pages * page_size
+        self.kv = (KVPool(layout.num_attention_layers, num_slots, layout.num_kv_heads,
+                          layout.head_dim, dtype, device)
+                   if layout.num_attention_layers else None)
+        self.mamba = (MambaStatePool(layout.num_mamba_layers, max_requests + 1, layout.conv_dim,
+                                     layout.conv_kernel, layout.mamba_heads, layout.mamba_head_dim,
+                                     layout.ssm_state_size, dtype, device,
+                                     groups=layout.mamba_groups)
+                      if layout.num_mamba_layers else None)
+        self.draft_kv: KVPool | None = None
+        self.set_step_width(1)
+
+    # ---- pools a drafter adds ----------------------------------------------------------------
+    def add_draft_pool(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> KVPool:
+        """The draft context pool: per draft layer K/V on the same pages as the target."""
+        self.draft_kv = KVPool(num_layers, self.total_pages * self.page_size, num_kv_heads,
+                               head_dim, dtype, self.device)
+        return self.draft_kv
+
+    def set_step_width(self, width: int) -> None:
+        """Positions one step may write past the committed length (1 for AR, the verify width
+        for speculation). ``STEPS_IN_FLIGHT`` such steps are reserved at admission: the
+        scheduler launches the next step before it has read the current one back, so a request
+        that finishes may still be written by the step after (whose rows are then dropped).
+        A width above 1 is a verify's: the Mamba pool gets its verify scratch."""
+        self.step_width = width
+        self.lookahead = STEPS_IN_FLIGHT * width
+        if width > 1 and self.mamba is not None:
+            self.mamba.ensure_verify(width)
+
+    # ---- capacity ----------------------------------------------------------------------------
+    @property
+    def total_tokens(self) -> int:
+        return self.allocator.num_blocks * self.page_size
+
+    def needed_tokens(self, prompt_len: int, max_new_tokens: int) -> int:
+        return prompt_len + max_new_tokens + self.lookahead
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return bool(self._free_slots) and self.allocator.blocks_for(num_tokens) <= self.allocator.num_free
+
+    def admit(self, num_tokens: int) -> Reservation:
+        """Reserve a slot and pages for ``num_tokens`` positions and publish the pages in the
+        device block table (one small copy per admission, never per step)."""
+        if not self.can_admit(num_tokens):
+            raise RuntimeError("admit called without capacity")
+        res = Reservation(slot=self._free_slots.pop())
+        self.allocator.grow(res.pages, num_tokens)
+        row = torch.tensor(res.pages, dtype=torch.int32)
+        self.block_table[res.slot, : len(res.pages)].copy_(row, non_blocking=False)
+        if self.mamba is not None:
+            self.mamba.reset(res.slot)
+        return res
+
+    def release(self, res: Reservation) -> None:
+        self.allocator.release(res.pages)
+        if res.slot >= 0:
+            self._free_slots.append(res.slot)
+            res.slot = -1
