@@ -17,37 +17,22 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from blockspec import __version__
-from blockspec.args import EngineArgs, choices_of
+from blockspec.args import EngineArgs
+from blockspec.bench.bench_args import add_arguments as bench_arguments
+from blockspec.eval.gsm8k import add_parser as add_eval
+from blockspec.flags import HelpFormatter, canonical, engine_flags
+from blockspec.server.args import add_serve_parser
+from blockspec.train.draft import add_parser as add_train_draft
+from blockspec.train.target import add_parser as add_train_target
 
 SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                   "ignore_eos")
-_TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
 QUANT_ALGOS = ("W4A16_NVFP4", "NVFP4", "FP8", "MIXED_PRECISION")
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    """Appends every option's default and choices to its help, so the two cannot drift apart.
-    A help text that already says ``default:`` (for a default that is a behaviour, not a
-    value) keeps its own words."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default is argparse.SUPPRESS or not action.option_strings:
-            return text                                 # -h, --version, positionals, commands
-        notes = []
-        if "default" not in text and not action.required:
-            d = action.default
-            shown = "none" if d is None else ("on" if d else "off") if isinstance(d, bool) else d
-            notes.append(f"default: {shown}")
-        if action.choices and "choices" not in text:
-            notes.append(f"choices: {', '.join(map(str, action.choices))}")
-        extra = f" ({'; '.join(notes)})" if notes else ""
-        return text + extra.replace("%", "%%")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,35 +57,6 @@ class _Version(argparse.Action):
             torch = "not installed"
         print(f"blockspec {__version__} (torch {torch}, python {platform.python_version()})")
         parser.exit()
-
-
-def _canonical(choices: Sequence[str]) -> Callable[[str], str]:
-    """Case-insensitive choices: ``dflash`` is read as ``DFLASH``."""
-    by_lower = {c.lower(): c for c in choices}
-
-    def convert(text: str) -> str:
-        return by_lower.get(text.lower(), text)
-
-    return convert
-
-
-def engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per EngineArgs field (help, default and choices from the field)."""
-    group = p.add_argument_group("engine options (EngineArgs fields)")
-    for f in fields(EngineArgs):
-        if f.name == "extra" or f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = _TYPES[str(f.type).replace(" | None", "")]
-        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-        kw = {"default": default, "help": f.metadata.get("help")}
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true",
-                               **kw)
-            continue
-        choices = choices_of(f)
-        group.add_argument(flag, type=_canonical(choices) if choices else kind, choices=choices,
-                           metavar=f.name.upper() if not choices else None, **kw)
 
 
 def _generate_flags(g: argparse.ArgumentParser) -> None:
@@ -143,16 +99,14 @@ def _generate_flags(g: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from blockspec.bench.bench_args import add_arguments as bench_arguments
-
-    top = _Parser(prog="blockspec", formatter_class=_HelpFormatter,
+    top = _Parser(prog="blockspec", formatter_class=HelpFormatter,
                   description="Nemotron-H inference with DFlash/DSpark block speculative decoding")
     top.add_argument("--version", action=_Version)
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=summary, description=description,
-                              formatter_class=_HelpFormatter)
+                              formatter_class=HelpFormatter)
 
     g = command("generate", "generate from one or more prompts",
                 "Generate from one or more prompts. Without --model-path the trained demo family "
@@ -169,21 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
                 "Quantize a dense Nemotron-H folder into ModelOpt's layout.")
     q.add_argument("--model-path", required=True, help="dense input folder (required)")
     q.add_argument("--output", required=True, help="output folder, new or empty (required)")
-    q.add_argument("--quant-algo", required=True, type=_canonical(QUANT_ALGOS), choices=QUANT_ALGOS,
+    q.add_argument("--quant-algo", required=True, type=canonical(QUANT_ALGOS), choices=QUANT_ALGOS,
                    help="format: W4A16_NVFP4 = NVFP4 weights with 16-bit activations (required)")
     q.add_argument("--recipe", choices=["lightning"],
                    help="per-layer formats for MIXED_PRECISION; default: none")
     q.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty --output (its contents are deleted)")
-    from blockspec.eval.gsm8k import add_parser as add_eval
-    from blockspec.train.draft import add_parser as add_train_draft
-    from blockspec.train.target import add_parser as add_train_target
-
     for add in (add_train_target, add_train_draft, add_eval):   # each sets its own handler
         add(sub)
-    from blockspec.server.args import add_serve_parser
-
-    add_serve_parser(sub, engine_flags)
+    add_serve_parser(sub)
     return top
 
 

@@ -16,7 +16,8 @@ import pytest
 from blockspec import args as args_mod
 from blockspec import tiny_model
 from blockspec.args import EngineArgs
-from blockspec.cli import _HelpFormatter, build_parser, main
+from blockspec.cli import build_parser, main
+from blockspec.flags import HelpFormatter
 from blockspec.demo_family import EXAMPLE_QUESTION, FAMILY_DIR
 from blockspec.eval.answers import gold_answer
 from blockspec.eval.gsm8k import DEFAULT_DATA
@@ -49,7 +50,7 @@ def _subparsers(parser):
 
 def test_every_flag_has_help_with_default_and_choices():
     parser = build_parser()
-    fmt = _HelpFormatter("blockspec")
+    fmt = HelpFormatter("blockspec")
     checked = 0
     for name, sub in _subparsers(parser).items():
         for action in sub._actions:

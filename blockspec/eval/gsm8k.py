@@ -21,6 +21,13 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from tqdm import tqdm
+
+from blockspec.args import EngineArgs
+from blockspec.demo_data.generator import read_jsonl
+from blockspec.eval.answers import extract_answer, gold_answer, same_number
+from blockspec.flags import engine_flags
+
 DEFAULT_DATA = Path(__file__).resolve().parent.parent / "demo_data" / "gsm8k_demo_test.jsonl"
 
 
@@ -63,10 +70,6 @@ def run_gsm8k(engine, rows: list[dict], batch_size: int = 16, max_new_tokens: in
               temperature: float = 0.0, progress: bool = True,
               outputs: list[dict] | None = None) -> GSM8KResult:
     """Generate an answer for every row with ``engine`` and score it."""
-    from tqdm import tqdm
-
-    from blockspec.eval.answers import extract_answer, gold_answer, same_number
-
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
     correct = tokens = 0
     hist: list[int] = []
@@ -149,8 +152,6 @@ def plot_acceptance(result: GSM8KResult, path: str | Path, title: str | None = N
 # ---- CLI ----------------------------------------------------------------------------------
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from blockspec.args import EngineArgs
-
     p = sub.add_parser("eval", help="evaluations (gsm8k)")
     tasks = p.add_subparsers(dest="task", required=True)
     g = tasks.add_parser("gsm8k", help="GSM8K-format accuracy + speculative statistics")
@@ -164,17 +165,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--plot", help="write a PNG of the accept-length distribution and "
                                   "per-position acceptance")
     g.add_argument("--save-outputs", help="write every question, prediction and output as jsonl")
-    from blockspec.cli import engine_flags
-
     engine_flags(g, skip=("max_running_requests",))
     g.set_defaults(handler=main)
     return p
 
 
 def main(ns: argparse.Namespace) -> int:
-    from blockspec.args import EngineArgs
-    from blockspec.demo_data.generator import read_jsonl
-    from blockspec.engine import Engine
+    from blockspec.engine import Engine   # lazy: torch loads only when the command runs
 
     data = Path(ns.data) if ns.data else DEFAULT_DATA
     if not data.is_file():

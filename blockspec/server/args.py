@@ -3,9 +3,10 @@ of heavy imports so ``blockspec --help`` stays fast; the server loads only when 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+from blockspec.flags import HelpFormatter, engine_flags
 
 
 def _arg(default: Any, help: str) -> Any:
@@ -42,11 +43,9 @@ class ServerArgs:
                              f"got {self.graceful_shutdown_timeout}")
 
 
-def add_serve_parser(sub: Any, engine_flags: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Add ``serve`` to the CLI's subparsers; ``engine_flags`` adds the EngineArgs flags."""
-    from blockspec.cli import _HelpFormatter
-
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=_HelpFormatter,
+def add_serve_parser(sub: Any) -> None:
+    """Add ``serve`` to the CLI's subparsers: the EngineArgs flags, then ServerArgs'."""
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=HelpFormatter,
                        description="Serve the model over HTTP: /v1/completions, "
                                    "/v1/chat/completions, /v1/models, /generate, /abort_request, "
                                    "/health, /metrics. Stops gracefully on SIGINT/SIGTERM.")
