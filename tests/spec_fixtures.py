@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from blockspec.models.dflash import build_draft_model
+from blockspec.models.draft import build_draft_model
 from blockspec.configs.draft import parse_draft_config
 from tests.hf_oracle import build_hf, save_hf
 

@@ -9,16 +9,10 @@ from torch import nn
 
 from blockspec.layers.rotary import apply_rotary
 from blockspec.checkpoint import logical_linear_weight_shape
-from blockspec.models.dflash import (
-    DFlashDraftModel,
-    build_draft_model,
-    select_draft_hidden_without_anchor,
-)
-from blockspec.configs.draft import (
-    DraftConfigError,
-    normalize_draft_tensor_names,
-    parse_draft_config,
-)
+from blockspec.models.dflash import DFlashDraftModel, select_draft_hidden_without_anchor
+from blockspec.models.draft import build_draft_model
+from blockspec.configs.draft import DraftConfigError, parse_draft_config
+from blockspec.speculative.draft_names import normalize_draft_tensor_names
 
 H, NH, NKV, D, I, V = 32, 4, 2, 8, 48, 64
 TARGET_IDS = [0, 2, 3]

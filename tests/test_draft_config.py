@@ -1,4 +1,5 @@
-"""Parsing rules of DFlash / DSpark draft configs (dflash.md §1.3–1.6, §4.1; dspark.md §2.6)."""
+"""Parsing rules of DFlash / DSpark draft configs: lookup orders, defaults, refused layouts, the
+Nemotron 3.5 detector; the load-time checks against a target and the tensor-name mapping."""
 from __future__ import annotations
 
 import copy
@@ -9,10 +10,10 @@ from blockspec.configs.draft import (
     DraftConfigError,
     build_target_layer_ids,
     is_nemotron_35_draft_config,
-    normalize_draft_tensor_names,
     parse_draft_config,
-    validate_against_target,
 )
+from blockspec.speculative.draft_loader import validate_against_target
+from blockspec.speculative.draft_names import normalize_draft_tensor_names
 
 
 def dflash_cfg(**over):

@@ -7,7 +7,7 @@ import torch
 
 from blockspec.cache import KVPool
 from blockspec.kernels.draft_kv import write_draft_kv
-from blockspec.models.dflash import build_draft_model
+from blockspec.models.draft import build_draft_model
 from blockspec.configs.draft import parse_draft_config
 from tests.spec_fixtures import draft_config
 from tests.triton_modes import MODES, mode  # noqa: F401  (mode: fixture)

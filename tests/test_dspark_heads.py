@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from blockspec.configs.draft import DraftConfigError, parse_draft_config
-from blockspec.models.dflash import DFlashDraftModel, build_draft_model
+from blockspec.models.dflash import DFlashDraftModel
+from blockspec.models.draft import build_draft_model
 from blockspec.models.dspark import (
     DSparkDraftModel,
     GatedMarkovHead,

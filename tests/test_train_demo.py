@@ -118,7 +118,7 @@ def test_anchors_are_distinct_sorted_generated_positions():
 @pytest.mark.parametrize("name", ["dflash", "dspark_nvfp4"])
 def test_block_sees_only_context_before_its_anchor(family, name):
     """Features at or after the anchor must not change a block's loss; earlier ones must."""
-    from blockspec.models.dflash import build_draft_model
+    from blockspec.models.draft import build_draft_model
     from blockspec.configs.draft import parse_draft_config
     from blockspec.train.draft_objective import draft_loss
 

@@ -133,7 +133,7 @@ def build_draft(kind: str, target_cfg: dict, block_size: int, device: torch.devi
                 dtype: torch.dtype):
     """A random draft on ``device`` for a target config (acceptance will be near 1: use
     ``--simulate-accept-length`` to time steps as if a trained draft were attached)."""
-    from blockspec.models.dflash import build_draft_model
+    from blockspec.models.draft import build_draft_model
     from blockspec.configs.draft import parse_draft_config
 
     cfg = parse_draft_config(draft_config(kind, target_cfg, block_size),

@@ -24,6 +24,7 @@ from blockspec.layers.fused_linear import fuse_linears
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
+from blockspec.quant.linear import make_quant_embedding
 from blockspec.configs.draft import DraftConfig, DraftConfigError
 
 if TYPE_CHECKING:
@@ -237,8 +238,6 @@ class DFlashDraftModel(nn.Module):
             if fmt is None:
                 self.embed_tokens = DraftEmbedding(cfg.vocab_size, h, dtype=dtype)
             else:
-                from blockspec.quant.linear import make_quant_embedding
-
                 self.embed_tokens = make_quant_embedding(fmt, cfg.vocab_size, h, dtype, "embed_tokens")
         else:
             self.embed_tokens = None
@@ -454,15 +453,3 @@ class DFlashDraftModel(nn.Module):
                 p.zero_()
             elif leaf == "weight":
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * std)
-
-
-def build_draft_model(cfg: DraftConfig, quant: QuantPlan | None = None,
-                      dtype: torch.dtype | None = torch.float32, attn_impl: str = "eager"
-                      ) -> DFlashDraftModel:
-    """``DFlashDraftModel`` or ``DSparkDraftModel`` according to ``cfg.algorithm``."""
-    if cfg.algorithm == "dspark":
-        from blockspec.models.dspark import DSparkDraftModel
-
-        return DSparkDraftModel(cfg, quant, dtype, attn_impl)
-    return DFlashDraftModel(cfg, quant, dtype, attn_impl)
-

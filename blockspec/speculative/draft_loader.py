@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import torch
 
 from blockspec.checkpoint import TensorSource, load_state, read_config
-from blockspec.models.dflash import DFlashDraftModel, build_draft_model
-from blockspec.configs.draft import (DraftConfig, DraftConfigError,
-                                           normalize_draft_tensor_names, parse_draft_config,
-                                           validate_against_target)
-from blockspec.models.loader import load_quant_plan
+from blockspec.configs.draft import DraftConfig, DraftConfigError, parse_draft_config
 from blockspec.configs.nemotron_h import NemotronHConfig
+from blockspec.models.dflash import DFlashDraftModel
+from blockspec.models.draft import build_draft_model
+from blockspec.models.loader import load_quant_plan
 from blockspec.quant.linear import prepare_quantized
+from blockspec.speculative.draft_names import normalize_draft_tensor_names
 
 log = logging.getLogger("blockspec")
 
@@ -29,6 +30,49 @@ def apply_num_draft_tokens(cfg: DraftConfig, num_draft_tokens: int | None) -> No
                     "(%s %d -> %d)", num_draft_tokens,
                     "block_size" if cfg.algorithm == "dflash" else "gamma", cfg.block_size, block)
         cfg.block_size = block
+
+
+def validate_against_target(cfg: DraftConfig, target_hidden: int, target_vocab: int,
+                            target_num_layers: int, fc_in_features_found: int | None) -> None:
+    """Raise ``DraftConfigError`` when the draft cannot run with this target.
+
+    ``fc_in_features_found`` is the *logical* in-features of the loaded ``fc.weight``
+    (for packed Nemotron weights use ``DFlashDraftModel.fc_in_features_from_weight``);
+    ``None`` skips that check.
+    """
+    problems: list[str] = []
+    if cfg.hidden_size != target_hidden:
+        problems.append(
+            f"draft hidden_size {cfg.hidden_size} != target hidden size {target_hidden} "
+            "(the draft reads the target's embeddings, LM head and hidden states)")
+    k = cfg.num_context_features
+    if fc_in_features_found is not None and fc_in_features_found != k * cfg.hidden_size:
+        problems.append(
+            f"K mismatch: fc.weight has {fc_in_features_found} in-features but "
+            f"{k} target_layer_ids x hidden {cfg.hidden_size} = {k * cfg.hidden_size}")
+    if cfg.mask_token_id >= target_vocab:
+        problems.append(f"mask_token_id {cfg.mask_token_id} >= target vocab size {target_vocab} "
+                        "(the target embedding is never resized)")
+    if cfg.is_nemotron_35 and cfg.vocab_size is not None and cfg.mask_token_id >= cfg.vocab_size:
+        problems.append(f"mask_token_id {cfg.mask_token_id} >= draft embed_tokens rows "
+                        f"{cfg.vocab_size}")
+    bad = [i for i in cfg.target_layer_ids if i < 0 or i >= target_num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {cfg.target_layer_ids} reach beyond the target's "
+                        f"{target_num_layers} layers (ids must be < {target_num_layers}): {bad}")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != target_num_layers:
+        if cfg.target_layer_ids_defaulted:
+            problems.append(
+                f"draft config num_target_layers={cfg.num_target_layers} != target depth "
+                f"{target_num_layers}, and target_layer_ids were derived from it")
+        else:
+            warnings.warn(f"draft was trained for a {cfg.num_target_layers}-layer target; this "
+                          f"target has {target_num_layers} layers", stacklevel=2)
+    if cfg.algorithm == "dspark" and cfg.vocab_size is not None and cfg.vocab_size != target_vocab:
+        problems.append(f"DSpark Markov head vocab {cfg.vocab_size} != target vocab "
+                        f"{target_vocab} (its bias is added to the target-LM-head logits)")
+    if problems:
+        raise DraftConfigError("draft/target mismatch: " + "; ".join(problems))
 
 
 def _check_own_head(cfg: DraftConfig, names: dict[str, str], src: TensorSource,

@@ -68,7 +68,7 @@ def build(ns: argparse.Namespace, target_cfg: dict, mask_id: int, device):
     """(draft config dict, parsed config, trainable fp32 draft module)."""
     import torch
 
-    from blockspec.models.dflash import build_draft_model
+    from blockspec.models.draft import build_draft_model
     from blockspec.configs.draft import parse_draft_config
     from blockspec.train.draft_layout import default_target_layer_ids, draft_config
 
