@@ -6,11 +6,11 @@ __all__ = ["Engine", "EngineArgs"]
 
 
 def __getattr__(name: str):
-    # Lazy: `import blockspec` stays cheap and CLI errors stay fast.
     if name == "Engine":
+        # lazy: `import blockspec` (and so `blockspec --help`) must not import torch
         from blockspec.engine import Engine
         return Engine
     if name == "EngineArgs":
-        from blockspec.args import EngineArgs
+        from blockspec.args import EngineArgs  # lazy: as above
         return EngineArgs
     raise AttributeError(name)

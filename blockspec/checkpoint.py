@@ -10,8 +10,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from torch import nn
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
 from tqdm import tqdm
 
 log = logging.getLogger("blockspec")
@@ -265,8 +266,6 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path,
                  metadata: dict[str, str] | None = None) -> None:
     """save_file that tolerates tensors sharing storage (e.g. one fused global scale)."""
-    from safetensors.torch import save_file
-
     seen: set[int] = set()
     out = {}
     for k, v in tensors.items():
@@ -290,7 +289,7 @@ def _pack_factor(module: nn.Module) -> int | None:
 
 def logical_linear_weight_shape(module: nn.Module, loaded: torch.Tensor | Sequence[int],
                                 output_features: int) -> tuple[int, ...]:
-    """Logical [out, in] shape of a loaded (possibly packed) linear weight (dflash.md §4.2).
+    """Logical [out, in] shape of a loaded (possibly packed) linear weight (NVFP4 packs two codes per byte).
 
     If the module's weight is not packed, or the loaded tensor's shape differs from the
     module's storage shape, the loaded shape is returned unchanged.  Otherwise the loaded

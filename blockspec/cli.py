@@ -15,17 +15,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import fields
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 from blockspec import __version__
 from blockspec.args import EngineArgs
 from blockspec.bench.bench_args import add_arguments as bench_arguments
+from blockspec.demo_family import demo_engine_kwargs, describe
 from blockspec.eval.gsm8k import add_parser as add_eval
 from blockspec.flags import HelpFormatter, canonical, engine_flags
+from blockspec.progress import TokenProgress
 from blockspec.server.args import add_serve_parser
 from blockspec.train.draft import add_parser as add_train_draft
 from blockspec.train.target import add_parser as add_train_target
@@ -48,9 +54,6 @@ class _Version(argparse.Action):
                          help="print blockspec's, torch's and Python's versions and exit")
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
-        import platform
-        from importlib.metadata import PackageNotFoundError, version
-
         try:
             torch = version("torch")
         except PackageNotFoundError:
@@ -171,12 +174,10 @@ def _generate(ns: argparse.Namespace) -> int:
     ids = _parse_ids(ns.input_ids, "--input-ids") if ns.input_ids is not None else None
     engine_kwargs = {f.name: getattr(ns, f.name) for f in fields(EngineArgs) if f.name != "extra"}
 
+    # lazy: torch loads only when a command runs
     from blockspec.engine import Engine
-    from blockspec.progress import TokenProgress
 
     if engine_kwargs["model_path"] is None:
-        from blockspec.demo_family import demo_engine_kwargs, describe
-
         path, engine_kwargs = demo_engine_kwargs(engine_kwargs.pop("model_path"), engine_kwargs)
         algo, draft = engine_kwargs["speculative_algorithm"], engine_kwargs.get(
             "speculative_draft_model_path")
@@ -231,6 +232,7 @@ def _print_results(outs: list[dict], ns: argparse.Namespace, show_ids: bool) -> 
 
 # ---- other commands ---------------------------------------------------------------------------
 def _quantize(ns: argparse.Namespace) -> int:
+    # lazy: torch loads only when a command runs
     from blockspec.quant.quantize import quantize_checkpoint
 
     report = quantize_checkpoint(ns.model_path, ns.output, ns.quant_algo, recipe=ns.recipe,
@@ -242,12 +244,14 @@ def _quantize(ns: argparse.Namespace) -> int:
 
 
 def _bench(ns: argparse.Namespace) -> int:
+    # lazy: torch loads only when a command runs
     from blockspec.bench.engine_bench import main as bench_main
 
     return bench_main(ns)
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    # lazy: torch loads only when a command runs
     from blockspec.server.launch import run
 
     return run(ns)
@@ -271,9 +275,6 @@ class _Sigint:
         raise KeyboardInterrupt
 
     def __enter__(self) -> "_Sigint":
-        import signal
-        import threading
-
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             self.previous = signal.signal(signal.SIGINT, self)
@@ -281,8 +282,6 @@ class _Sigint:
 
     def __exit__(self, *exc: Any) -> None:
         if self.previous is not None:
-            import signal
-
             signal.signal(signal.SIGINT, self.previous)
 
 

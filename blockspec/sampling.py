@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from blockspec.kernels.triton_loader import use_triton
+from blockspec.kernels.uniforms import uniforms_fused
 
 __all__ = [
     "SamplingParams",
@@ -282,8 +283,6 @@ def uniforms(seeds: torch.Tensor, counters: torch.Tensor, stream: int, width: in
     """``uniforms_reference``'s numbers: one Triton launch on CUDA (``kernels/uniforms.py``),
     the torch code elsewhere."""
     if use_triton(seeds):
-        from blockspec.kernels.uniforms import uniforms_fused
-
         return uniforms_fused(seeds, counters, stream, width)
     return uniforms_reference(seeds, counters, stream, width)
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from blockspec.models.nemotron_h import NemotronHForCausalLM
 from blockspec.configs.nemotron_h import NemotronHConfig
+from blockspec.models.nemotron_h import NemotronHForCausalLM
 
 SPECIALS = ["<pad>", "<s>", "</s>"]
 TINY_CONFIG = {
@@ -48,8 +49,6 @@ def random_state(model: NemotronHForCausalLM, seed: int) -> dict[str, torch.Tens
 
 def byte_level_tokenizer_json() -> str:
     """A tokenizers-library BPE with no merges over the 256 byte symbols, plus specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
     for ch in sorted(alphabet):

@@ -44,7 +44,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise TokenizerError("this tokenizer has no chat_template in tokenizer_config.json")
-        import jinja2
+        import jinja2  # lazy: only a chat template needs it
 
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
         tpl = env.from_string(self.chat_template)

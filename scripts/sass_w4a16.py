@@ -2,7 +2,7 @@
 ship in the triton wheel, find the K loop (the backward branch) and count its instructions by
 opcode. The loop of a pair-mode verify call (dedup, shared expert riding, relu2) is where a
 step's MoE time goes; instructions per weight say whether a change can help before any device
-time is spent (docs/benchmarks.md, seventh session).
+time is spent (docs/benchmarks.md).
 
     python scripts/sass_w4a16.py [--block-n 64] [--block-k 128] [--warps 2] [--stages 3]
         [--maxnreg 128] [--dense] [--sass FILE]

@@ -77,7 +77,7 @@ def test_shipped_registry_resolves_everywhere():
         assert r.decode in BACKENDS and (r.draft in BACKENDS if spec else r.draft is None)
 
 
-# ---- the draft attention flag selects the draft's implementation (issue #8 item 3) ----------
+# ---- the draft attention flag selects the draft's implementation ----------
 def test_draft_attention_flag_selects_the_draft_implementation(monkeypatch, tmp_path):
     """--speculative-draft-attention-backend picks the backend the draft's attention runs in,
     through the same registry as the target's: a recording backend set for the draft alone sees

@@ -1,4 +1,4 @@
-"""DSpark Markov heads (dspark.md §2.4) and the sequential block walk."""
+"""DSpark Markov heads (vanilla, gated, rnn) and the sequential block walk."""
 from __future__ import annotations
 
 import pytest

@@ -19,12 +19,19 @@ so 100 % of the floor is out of reach).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
 import time
 
 import torch
+
+from blockspec.bench import presets
+from blockspec.bench.presets import preset_config
+from blockspec.checkpoint import DTYPES
+from blockspec.engine import Engine
+from blockspec.engine.engine import resolve_device
 
 H200_BW = 4.8e12
 
@@ -59,9 +66,6 @@ def _memory_bytes() -> int:
 
 def build_engine(args: argparse.Namespace, max_bs: int):
     """The engine under test: a folder, or a preset built on the device (+ a random draft)."""
-    from blockspec.engine import Engine
-    from blockspec.engine.engine import resolve_device
-
     cache = max_bs * (args.input_len + args.output_len + 64)
     common = dict(max_running_requests=max_bs, max_total_tokens=cache,
                   cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph,
@@ -74,9 +78,6 @@ def build_engine(args: argparse.Namespace, max_bs: int):
             raise ValueError("--random-draft builds a draft for a --preset target; with --model-path "
                              "give --speculative-draft-model-path")
         return Engine(model_path=args.model_path, **common, **kw), args.model_path
-    from blockspec.bench import presets
-    from blockspec.checkpoint import DTYPES
-
     device = resolve_device(args.device or "auto")
     dtype = DTYPES[args.dtype] if args.dtype not in (None, "auto") else torch.bfloat16
     cfg = presets.preset_config(args.preset)
@@ -150,15 +151,13 @@ def transformers_decode(model_path: str | None, preset_cfg: dict | None, device:
     """transformers' NemotronHForCausalLM on the same shapes and prompts: greedy ``generate``,
     timed the same way (prefill-only run subtracted). Its weights are its own random init for a
     preset (timing does not depend on the values), the folder's weights otherwise."""
-    import transformers
-
-    import gc
+    import transformers  # lazy: an optional dependency (the test extra)
 
     gc.collect()
     if model_path is not None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(device)
     else:
-        from transformers import NemotronHConfig, NemotronHForCausalLM
+        from transformers import NemotronHConfig, NemotronHForCausalLM  # lazy: as above
 
         cfg = {k: v for k, v in preset_cfg.items() if k not in ("architectures", "model_type", "dtype")}
         pattern = cfg.pop("hybrid_override_pattern")
@@ -224,8 +223,6 @@ def run(args: argparse.Namespace) -> list[dict]:
             results.append({**base, "cuda_graph": use_graph, **measure(engine, batch, args)})
             print(json.dumps(results[-1]), flush=True)
         engine.runner.graphs = graphs
-    from blockspec.bench.presets import preset_config
-
     cfg_dict = None if args.model_path else preset_config(args.preset)
     device, dtype = engine.device, engine.dtype
     engine.shutdown()

@@ -13,6 +13,16 @@ import math
 
 import torch
 
+from blockspec.configs.draft import parse_draft_config
+from blockspec.configs.nemotron_h import NemotronHConfig
+from blockspec.models.draft import build_draft_model
+from blockspec.models.nemotron_h import NemotronHForCausalLM
+from blockspec.quant.linear import prepare_quantized
+from blockspec.quant.recipes import lightning_format
+from blockspec.tiny_model import TINY_CONFIG
+from blockspec.train.draft_layout import default_target_layer_ids
+from blockspec.train.draft_layout import draft_config as layout_config
+
 LIGHTNING_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 _LIGHTNING = {
     "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
@@ -37,24 +47,17 @@ class LightningPlan:
     writes), as a plan a model can be built from."""
 
     def format_for(self, prefix: str) -> str | None:
-        from blockspec.quant.recipes import lightning_format
-
         return lightning_format(prefix)
 
 
 def preset_config(name: str) -> dict:
     if PRESETS[name] is None:
-        from blockspec.tiny_model import TINY_CONFIG
-
         return dict(TINY_CONFIG)
     return dict(PRESETS[name])
 
 
 def weight_bytes(cfg_dict: dict, dtype: torch.dtype, quantized: bool) -> int:
     """Bytes the model's weights take (built on the meta device: nothing is allocated)."""
-    from blockspec.models.nemotron_h import NemotronHForCausalLM
-    from blockspec.configs.nemotron_h import NemotronHConfig
-
     with torch.device("meta"):
         m = NemotronHForCausalLM(NemotronHConfig.from_dict(cfg_dict),
                                  quant=LightningPlan() if quantized else None, dtype=dtype)
@@ -99,10 +102,6 @@ def randomize_(module: torch.nn.Module, seed: int = 0, std: float = 0.02) -> Non
 
 def build_target(name: str, device: torch.device, dtype: torch.dtype, quantized: bool = False):
     """A random preset target on ``device``, ready for ``Engine.from_model``."""
-    from blockspec.models.nemotron_h import NemotronHForCausalLM
-    from blockspec.configs.nemotron_h import NemotronHConfig
-    from blockspec.quant.linear import prepare_quantized
-
     cfg = NemotronHConfig.from_dict(preset_config(name))
     with torch.device(device):
         model = NemotronHForCausalLM(cfg, quant=LightningPlan() if quantized else None, dtype=dtype)
@@ -115,9 +114,6 @@ def draft_config(kind: str, target_cfg: dict, block_size: int) -> dict:
     """A 2-layer DFlash / DSpark config for a target (the trainer's generic layout), with
     attention sized to the target's width: head dim 128 from hidden 1024 up, a power-of-two
     number of heads (GQA-friendly), MLP twice the width."""
-    from blockspec.train.draft_layout import default_target_layer_ids
-    from blockspec.train.draft_layout import draft_config as layout_config
-
     n_layers = len(target_cfg.get("hybrid_override_pattern") or target_cfg.get("layers_block_type"))
     hidden, vocab = target_cfg["hidden_size"], target_cfg["vocab_size"]
     cfg = layout_config(target_cfg, algorithm=kind, layout="generic", block_size=block_size,
@@ -133,9 +129,6 @@ def build_draft(kind: str, target_cfg: dict, block_size: int, device: torch.devi
                 dtype: torch.dtype):
     """A random draft on ``device`` for a target config (acceptance will be near 1: use
     ``--simulate-accept-length`` to time steps as if a trained draft were attached)."""
-    from blockspec.models.draft import build_draft_model
-    from blockspec.configs.draft import parse_draft_config
-
     cfg = parse_draft_config(draft_config(kind, target_cfg, block_size),
                              target_num_layers=len(target_cfg.get("hybrid_override_pattern")
                                                    or target_cfg.get("layers_block_type")))

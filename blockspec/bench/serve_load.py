@@ -16,6 +16,9 @@ import math
 import time
 from typing import Any
 
+from blockspec.engine import Engine
+from blockspec.server.launch import ServerThread
+
 
 def percentile(xs: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100])."""
@@ -29,6 +32,7 @@ async def run_load(url: str, *, requests: int = 200, max_tokens: int = 16,
                    api_key: str | None = None, model: str | None = None,
                    timeout: float = 300.0) -> dict[str, Any]:
     """Start ``requests`` streaming completions at once and wait for all of them."""
+    # lazy: optional dependencies (the server extra)
     import httpx
     import openai
 
@@ -93,9 +97,6 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(run_load(ns.url, requests=ns.requests, max_tokens=ns.max_tokens,
                                       api_key=ns.api_key, model=ns.model))
     else:
-        from blockspec.engine import Engine
-        from blockspec.server.launch import ServerThread
-
         engine = Engine(device=ns.device, max_running_requests=ns.max_running_requests)
         try:
             with ServerThread(engine) as url:

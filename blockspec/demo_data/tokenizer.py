@@ -16,6 +16,8 @@ import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 PAD, BOS, EOS, MASK = "<pad>", "<s>", "</s>", "<|mask|>"
 SPECIALS = (PAD, BOS, EOS, MASK)          # ids 0, 1, 2, 3
 DEFAULT_VOCAB_SIZE = 1024
@@ -31,8 +33,6 @@ CHAT_TEMPLATE = (
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE):
     """A byte-level BPE whose pre-tokenizer isolates every digit."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),

@@ -14,16 +14,18 @@ from typing import Any
 import torch
 
 from blockspec.args import DeviceInfo, EngineArgs, resolve_attention_backends
-from blockspec.checkpoint import read_config, resolve_dtype
-from blockspec.engine.loop import EngineClosedError, EngineLoop, LoopStats, StreamOutput
 from blockspec.cache import CacheLayout, MemoryManager
+from blockspec.checkpoint import read_config, resolve_dtype
+from blockspec.configs.nemotron_h import NemotronHConfig
+from blockspec.demo_family import demo_engine_kwargs
+from blockspec.engine.loop import EngineClosedError, EngineLoop, LoopStats, StreamOutput
 from blockspec.engine.request import Request
 from blockspec.engine.scheduler import Scheduler
 from blockspec.models.loader import load_target
 from blockspec.models.nemotron_h import NemotronHForCausalLM
-from blockspec.configs.nemotron_h import NemotronHConfig
 from blockspec.runtime.model_runner import ModelRunner, RunnerOptions
 from blockspec.sampling import SamplingParams
+from blockspec.speculative.worker import SpecWorker, build_spec_worker
 from blockspec.tokenizer import Tokenizer
 
 log = logging.getLogger("blockspec")
@@ -70,8 +72,6 @@ def cache_layout(cfg: NemotronHConfig) -> CacheLayout:
 
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
-        from blockspec.demo_family import demo_engine_kwargs
-
         # no model_path: the shipped demo family, DFlash on unless kwargs say otherwise
         model_path, kwargs = demo_engine_kwargs(model_path, kwargs)
         self.args = args = EngineArgs.from_kwargs(model_path=model_path, **kwargs)
@@ -123,13 +123,9 @@ class Engine:
             cuda_graph_max_bs=args.cuda_graph_max_bs))
         self.drafter = None
         if draft is not None:
-            from blockspec.speculative.worker import SpecWorker
-
             self.drafter = SpecWorker(draft, self.runner, self.backends.draft, self.dtype,
                                       args.speculative_draft_lm_head)
         elif args.speculative_algorithm:
-            from blockspec.speculative.worker import build_spec_worker
-
             self.drafter = build_spec_worker(args, self.runner, self.backends.draft, self.dtype,
                                              self.device)
         eos = list(config.eos_token_id)

@@ -111,11 +111,11 @@ def run_gsm8k(engine, rows: list[dict], batch_size: int = 16, max_new_tokens: in
 def plot_acceptance(result: GSM8KResult, path: str | Path, title: str | None = None) -> Path:
     """Two panels: the accept-length distribution and the per-position acceptance."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: an optional dependency (the plot extra)
     except ImportError:
         raise RuntimeError("--plot needs matplotlib: pip install 'blockspec[plot]'") from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: after matplotlib.use('Agg')
 
     hist = result.accept_histogram
     if not hist:
@@ -171,7 +171,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from blockspec.engine import Engine   # lazy: torch loads only when the command runs
+    from blockspec.engine import Engine  # lazy: torch loads only when the command runs
 
     data = Path(ns.data) if ns.data else DEFAULT_DATA
     if not data.is_file():

@@ -1,7 +1,7 @@
 """DFlash draft model: Qwen3-style pre-norm layers with target-feature K/V injection.
 
-One non-causal forward over a block ``[anchor, mask, ..., mask]`` proposes a whole block
-(dflash.md §1).  The model owns no cache: the engine keeps the per-layer context K/V returned by
+One non-causal forward over a block ``[anchor, mask, ..., mask]`` proposes a whole block.
+The model owns no cache: the engine keeps the per-layer context K/V returned by
 ``project_context`` and passes the gathered K/V of each request back into ``forward_block``.
 
 Parameter names equal checkpoint tensor names (``fc.weight``, ``layers.0.self_attn.q_proj.weight``,
@@ -13,19 +13,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from blockspec.attention.torch_native import masked_attention
 from blockspec.checkpoint import logical_linear_weight_shape
-from blockspec.kernels.draft_kv import draft_block_qkv, draft_block_qkv_reference
+from blockspec.configs.draft import DraftConfig, DraftConfigError
+from blockspec.kernels.draft_kv import draft_block_qkv, draft_block_qkv_reference, write_draft_kv
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.fused_linear import fuse_linears
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.quant.linear import make_quant_embedding
-from blockspec.configs.draft import DraftConfig, DraftConfigError
 
 if TYPE_CHECKING:
     from blockspec.forward_metadata import ForwardMetadata
@@ -295,7 +295,7 @@ class DFlashDraftModel(nn.Module):
 
     # ---- embedding -------------------------------------------------------------------------
     def resolve_embedding(self, target_embed: nn.Module | torch.Tensor | None = None):
-        """dflash.md §4.3: Nemotron 3.5 drafts embed with their own ``embed_tokens``; generic
+        """Nemotron 3.5 drafts embed with their own ``embed_tokens``; generic
         drafts with the target's embedding (a module or its weight tensor)."""
         if self.is_nemotron_35:
             if self.embed_tokens is None:
@@ -413,8 +413,6 @@ class DFlashDraftModel(nn.Module):
         of the draft context pool (on the GPU after ``fuse()``: one GEMM for every layer's K/V
         and one kernel for the norms, rotations and writes, ``kernels/draft_kv.py``)."""
         if self.context_kv is not None and use_triton(features):
-            from blockspec.kernels.draft_kv import write_draft_kv
-
             weight, norm, freq, eps = self.context_kv
             kv = F.linear(self.project_context_hidden(features), weight)
             write_draft_kv(kv, positions, slots, norm, freq, pool.k, pool.v, eps)
@@ -426,7 +424,7 @@ class DFlashDraftModel(nn.Module):
     # ---- checkpoint helpers ----------------------------------------------------------------
     def fc_in_features_from_weight(self, loaded: torch.Tensor | Sequence[int]) -> int:
         """Logical in-features of a loaded ``fc.weight`` (packed Nemotron weights are unpacked
-        logically, dflash.md §4.2; plain drafts compare raw shapes).  Raises the K-mismatch
+        logically: two E2M1 codes per byte; plain drafts compare raw shapes).  Raises the K-mismatch
         error when the shape is not ``(H, K*H)``."""
         h, kh = self.config.hidden_size, self.config.fc_in_features
         if self.is_nemotron_35:

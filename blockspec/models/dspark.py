@@ -1,4 +1,4 @@
-"""DSpark draft model: the DFlash backbone plus a sequential Markov head (dspark.md §2.4).
+"""DSpark draft model: the DFlash backbone plus a sequential Markov head.
 
 The backbone gives base logits for all gamma block rows in one forward; the Markov head then
 walks the block left to right, adding a bias that depends on the token actually drafted at the

@@ -23,9 +23,10 @@ import torch
 from blockspec.args import ResolvedBackends
 from blockspec.attention import create_backend
 from blockspec.cache import MemoryManager
+from blockspec.forward_metadata import Mode
+from blockspec.layers.moe import MoE
 from blockspec.models.nemotron_h import ModelOutput, NemotronHForCausalLM
 from blockspec.runtime.graph_runner import GraphRunner
-from blockspec.forward_metadata import Mode
 from blockspec.runtime.metadata import StepBatch, StepInputs, extend_metadata, uniform_metadata
 from blockspec.sampling import Stream, logprobs_of, sample, uniforms
 
@@ -66,8 +67,6 @@ class ModelRunner:
                      and self.decode_attn.supports_cuda_graph)
         self.graphs = (GraphRunner(self.device, min(options.cuda_graph_max_bs, options.max_batch_size))
                        if graphs_ok else None)
-        from blockspec.layers.moe import MoE
-
         for m in model.modules():
             if isinstance(m, MoE) and not m.graph_safe(model.backbone.norm_f.weight.dtype, self.device):
                 self.disable_graphs("an MoE layer's experts have no sync-free path for this "

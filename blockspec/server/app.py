@@ -13,15 +13,24 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from blockspec import __version__
 from blockspec.engine.loop import StreamOutput
 from blockspec.server import errors
 from blockspec.server.client import ClientGone, EngineClient, Group, ServerShuttingDown
 from blockspec.server.errors import APIError, error_body
 from blockspec.server.metrics import CONTENT_TYPE, Metrics
 from blockspec.server.middleware import Guard
-from blockspec.server.protocol import (DONE, AbortRequest, ChatCompletionRequest,
-                                       CompletionRequest, GenerateRequest, finish_reason, now,
-                                       sse, usage)
+from blockspec.server.protocol import (
+    DONE,
+    AbortRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    finish_reason,
+    now,
+    sse,
+    usage,
+)
 from blockspec.server.validate import Prepared, chat_inputs, completion_inputs, generate_inputs
 
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/generate",
@@ -281,6 +290,4 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
 
 
 def _version() -> str:
-    from blockspec import __version__
-
     return __version__

@@ -16,6 +16,8 @@ from typing import Any
 import uvicorn
 
 from blockspec.args import EngineArgs
+from blockspec.demo_family import describe
+from blockspec.engine import Engine
 from blockspec.server.app import create_app
 from blockspec.server.args import ServerArgs, server_args
 from blockspec.server.client import EngineClient
@@ -70,8 +72,6 @@ def build_server(engine: Any, args: ServerArgs,
 
 def run(ns: argparse.Namespace) -> int:
     """``blockspec serve``: build the engine, serve until SIGINT/SIGTERM, shut down cleanly."""
-    from blockspec.engine import Engine
-
     sargs = server_args(ns)
     engine_kwargs = {f.name: getattr(ns, f.name) for f in fields(EngineArgs)
                      if f.name != "extra" and hasattr(ns, f.name)}
@@ -83,8 +83,6 @@ def run(ns: argparse.Namespace) -> int:
         raise
     try:
         if ns.model_path is None:
-            from blockspec.demo_family import describe
-
             a = engine.args
             line = describe(a.model_path, a.speculative_algorithm, a.speculative_draft_model_path)
             print(f"blockspec serve: {line}", file=sys.stderr, flush=True)

@@ -13,6 +13,8 @@ import json
 import time
 from pathlib import Path
 
+from blockspec.demo_data.generator import generate_split, read_jsonl
+
 MAX_LEN = 256
 
 
@@ -57,8 +59,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _rows(ns: argparse.Namespace) -> list[dict]:
-    from blockspec.demo_data.generator import generate_split, read_jsonl
-
     if ns.data:
         return read_jsonl(ns.data)[: ns.num_samples]
     return [p.to_json() for p in generate_split("train", ns.num_samples, ns.seed + 1)]
@@ -66,6 +66,7 @@ def _rows(ns: argparse.Namespace) -> list[dict]:
 
 def build(ns: argparse.Namespace, target_cfg: dict, mask_id: int, device):
     """(draft config dict, parsed config, trainable fp32 draft module)."""
+    # lazy: torch and the models load only when the command runs (``--help`` stays instant)
     import torch
 
     from blockspec.models.draft import build_draft_model
@@ -73,8 +74,8 @@ def build(ns: argparse.Namespace, target_cfg: dict, mask_id: int, device):
     from blockspec.train.draft_layout import default_target_layer_ids, draft_config
 
     if ns.layout == "nemotron35" and ns.quantize is None:
-        raise ValueError("--layout nemotron35 is defined by W4A16_NVFP4 weights (dflash.md §4.1, "
-                         "condition 3); pass --quantize W4A16_NVFP4")
+        raise ValueError("--layout nemotron35 is defined by W4A16_NVFP4 weights (one of the "
+                         "layout's five conditions); pass --quantize W4A16_NVFP4")
     num_layers = len(target_cfg.get("layers_block_type") or target_cfg["hybrid_override_pattern"])
     block = ns.block_size or (8 if ns.algorithm == "dflash" else 7)
     ids = ns.target_layer_ids or default_target_layer_ids(num_layers)
@@ -91,6 +92,7 @@ def build(ns: argparse.Namespace, target_cfg: dict, mask_id: int, device):
 
 
 def main(ns: argparse.Namespace) -> int:
+    # lazy: torch and the engine load only when the command runs (``--help`` stays instant)
     import torch
     from tokenizers import Tokenizer
 

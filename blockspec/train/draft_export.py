@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from blockspec.checkpoint import save_tensors
+from blockspec.quant.nvfp4 import nvfp4_global_scale, quantize_nvfp4, tensor_amax
+
 DENSE_2D = ("markov_head.markov_w1.weight",)
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -23,8 +26,6 @@ def _packable(name: str, t: torch.Tensor) -> bool:
 
 
 def _global_scales(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from blockspec.quant.nvfp4 import nvfp4_global_scale, tensor_amax
-
     scales = {n[: -len(".weight")]: nvfp4_global_scale(tensor_amax(t))
               for n, t in tensors.items() if _packable(n, t)}
     for prefix in list(scales):
@@ -40,8 +41,6 @@ def _global_scales(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def pack_w4a16(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Dense bf16 draft tensors -> W4A16_NVFP4 tensors (see module docstring)."""
-    from blockspec.quant.nvfp4 import quantize_nvfp4
-
     scales = _global_scales(tensors)
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
@@ -58,8 +57,6 @@ def pack_w4a16(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def save_draft(model: nn.Module, cfg: dict, folder: Path, quantize: str | None = None) -> Path:
     """config.json + model.safetensors for ``model`` (a DFlash/DSpark draft module)."""
-    from blockspec.checkpoint import save_tensors
-
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous()
                for k, v in model.state_dict().items() if v.is_floating_point()}

@@ -2,12 +2,14 @@
 
 Generic layout: the draft borrows the target's embedding and LM head (no ``embed_tokens``);
 DSpark uses DeepSpec's block (``sample_from_anchor`` true: gamma rows, all drafts).
-Nemotron-3.5 layout (dflash.md §4.1): the draft has its own ``embed_tokens`` and no LM head,
+Nemotron-3.5 layout: the draft has its own ``embed_tokens`` and no LM head,
 ``eagle_aux_hidden_state_layer_ids`` are the target layer ids + 1, ``sample_from_anchor`` is
 false (gamma + 1 rows, the anchor row dropped) and the weights are W4A16_NVFP4 -- all five
 conditions of ``is_nemotron_35_draft_config`` hold.
 """
 from __future__ import annotations
+
+from blockspec import __version__
 
 LAYOUTS = ("generic", "nemotron35")
 ALGORITHMS = ("dflash", "dspark")
@@ -17,7 +19,7 @@ SIZES = {
     "tiny": dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                  intermediate_size=64),
 }
-# Loss decay per verify width (dflash.md §5.1: 7 for block 16, 5 for 10, 4 for 8).
+# Loss decay gamma per verify width, as the DFlash paper trains: 7 for block 16, 5 for 10, 4 for 8.
 DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -82,8 +84,6 @@ def draft_config(target: dict, *, algorithm: str, layout: str, block_size: int, 
 def w4a16_quantization_config() -> dict:
     """ModelOpt-style ``quantization_config`` of a W4A16_NVFP4 draft (weights only, group 16);
     the Markov W1 table is the one 2-D tensor left dense."""
-    from blockspec import __version__
-
     return {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "group_size": 16,
             "kv_cache_quant_algo": None,
             "producer": {"name": "blockspec train-draft", "version": __version__},

@@ -1,4 +1,4 @@
-"""The DFlash / DSpark training objective (dflash.md §5.1, dspark.md §2.4).
+"""The DFlash / DSpark training objective (the papers' block loss, with DSpark's Markov head).
 
 Per sequence, random distinct anchors are drawn among the generated positions (the answer,
 from its leading newline on: every token that can be an anchor at serving time).  Each anchor

@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+
+from blockspec.engine.engine import resolve_device
 
 STATE_FILE = "train_state.pt"
 
 
 def pick_device(name: str = "auto") -> torch.device:
     """The engine's device rule (auto = cuda when available), for the trainers' --device."""
-    from blockspec.engine.engine import resolve_device
-
     return resolve_device(name)
 
 
@@ -146,8 +147,6 @@ class Reporter:
     lines survive in captured logs where a bar does not)."""
 
     def __init__(self, what: str, budget: Budget, every_s: float = 10.0) -> None:
-        from tqdm import tqdm
-
         self.what, self.budget, self.every_s = what, budget, every_s
         self.bar = tqdm(total=100, desc=what, unit="%", leave=False,
                         disable=not os.isatty(2))

@@ -14,6 +14,11 @@ import json
 import time
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
+from blockspec.demo_data.generator import generate_split, read_jsonl
+from blockspec.demo_data.tokenizer import save_tokenizer, train_tokenizer, training_texts
+
 SIZES = {
     # every layer kind: Mamba-2 M, attention *, relu² MLP -, MoE E
     "demo": dict(pattern="M*-M*EM*-M*E", sizes={}),
@@ -54,8 +59,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _rows(ns: argparse.Namespace) -> list[dict]:
-    from blockspec.demo_data.generator import generate_split, read_jsonl
-
     if ns.data:
         rows = read_jsonl(ns.data)
         return rows[: ns.num_samples] if ns.num_samples else rows
@@ -63,10 +66,6 @@ def _rows(ns: argparse.Namespace) -> list[dict]:
 
 
 def _tokenizer(ns: argparse.Namespace, out: Path, rows: list[dict]):
-    from tokenizers import Tokenizer
-
-    from blockspec.demo_data.tokenizer import save_tokenizer, train_tokenizer, training_texts
-
     src = Path(ns.tokenizer or ns.init_from or out)
     if (src / "tokenizer.json").is_file():
         tok = Tokenizer.from_file(str(src / "tokenizer.json"))
@@ -82,6 +81,7 @@ def _tokenizer(ns: argparse.Namespace, out: Path, rows: list[dict]):
 
 
 def _init_from(model, cfg: dict, folder: Path) -> None:
+    # lazy: torch loads only when the command runs (``--help`` stays instant)
     import torch
 
     from blockspec.checkpoint import TensorSource, load_state, read_config
@@ -95,6 +95,7 @@ def _init_from(model, cfg: dict, folder: Path) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
+    # lazy: torch and the models load only when the command runs (``--help`` stays instant)
     import torch
     import torch.nn.functional as F
 

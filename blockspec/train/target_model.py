@@ -20,14 +20,15 @@ import math
 from pathlib import Path
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
+from blockspec.checkpoint import save_tensors
+from blockspec.configs.nemotron_h import NemotronHConfig
 from blockspec.layers.attention import Attention
 from blockspec.layers.mamba2 import Mamba2Mixer
 from blockspec.layers.moe import TopkRouter
 from blockspec.models.nemotron_h import NemotronHForCausalLM
-from blockspec.configs.nemotron_h import NemotronHConfig
 
 PATTERN_TO_TYPE = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 # transformers' current spelling of the four layer kinds (config.json ``layers_block_type``)
@@ -176,8 +177,6 @@ class RouterBalancer:
 def save_target(model: NemotronHForCausalLM, cfg_dict: dict, folder: Path,
                 dtype: torch.dtype = torch.bfloat16) -> Path:
     """config.json + model.safetensors (``dtype``) + generation_config.json."""
-    from blockspec.checkpoint import save_tensors
-
     folder.mkdir(parents=True, exist_ok=True)
     state = {}
     for k, v in model.state_dict().items():
