@@ -5,7 +5,7 @@
 # all three), then the median output_throughput, accuracy and accept_length of each and the
 # speed-up of the medians over the target alone.
 #
-#   bash docs/logs/readme_figures.sh            # from anywhere; run it on a quiet machine
+#   bash scripts/readme_figures.sh              # from anywhere; run it on a quiet machine
 #
 # Each run is exactly
 #   python -m blockspec eval gsm8k --batch-size 50 --json --speculative-algorithm {NONE,DFLASH,DSPARK}
@@ -13,7 +13,7 @@
 # JSON line), PYTHON (python), EXTRA (more eval flags, e.g. "--device cpu"; default none).
 # Threads are torch's default unless OMP_NUM_THREADS is set; the header line records them.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 RUNS=${RUNS:-5}
 OUT=${OUT:-$PWD/readme_figures_out}
