@@ -189,7 +189,7 @@ class MoE(nn.Module):
             return True
         if self._grouped is None or device.type != "cuda":
             return False
-        from blockspec.quant.triton_w4a16 import triton_available
+        from blockspec.kernels.triton_loader import triton_available
 
         return dtype in (torch.bfloat16, torch.float16) and triton_available()
 
@@ -199,7 +199,7 @@ class MoE(nn.Module):
     def routed_grouped(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                        shared: torch.Tensor | None) -> torch.Tensor:
         """All (token, expert) pairs sorted by expert through two grouped W4A16 GEMMs."""
-        from blockspec.quant.triton_w4a16 import grouped_blocks, grouped_w4a16
+        from blockspec.kernels.w4a16 import grouped_blocks, grouped_w4a16
 
         (wu, su, s2u), (wd, sd, s2d) = self._grouped     # offsets skip the shared slices
         order, offsets = sort_by_expert(ids, len(self.experts))
@@ -223,7 +223,7 @@ class MoE(nn.Module):
             up = pair_gemv(h, ids, wu, bu, relu2=True, dedup=dedup)
             y = pair_gemv(up, ids, wd, bd, x_per_pair=True, dedup=dedup)
         else:
-            from blockspec.quant.triton_w4a16 import PAIR_DEDUP_MAX_TOKENS, pair_w4a16
+            from blockspec.kernels.w4a16 import PAIR_DEDUP_MAX_TOKENS, pair_w4a16
 
             (wu, su, s2u), (wd, sd, s2d) = self._grouped
             dedup = 1 < ids.shape[0] <= PAIR_DEDUP_MAX_TOKENS

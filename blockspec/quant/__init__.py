@@ -1,6 +1,7 @@
 """ModelOpt quantized checkpoints: config parsing, NVFP4/FP8 formats, modules, quantizer.
 
-Importing this package never imports Triton; ``blockspec.quant.triton_w4a16`` does, lazily.
+Importing this package never imports Triton: the W4A16 kernel (``blockspec.kernels.w4a16``)
+loads it when it first launches.
 """
 from blockspec.quant.config import QuantConfigError, QuantPlan, load_quant_plan
 from blockspec.quant.linear import (FP8Linear, NVFP4Linear, QuantEmbedding, make_quant_embedding,

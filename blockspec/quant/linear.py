@@ -153,13 +153,13 @@ class NVFP4Linear(_QuantBase):
     def _triton_ok(self, x: torch.Tensor) -> bool:
         if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
             return False
-        from blockspec.quant.triton_w4a16 import triton_available
+        from blockspec.kernels.triton_loader import triton_available
 
         return triton_available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._triton_ok(x):
-            from blockspec.quant.triton_w4a16 import w4a16_linear
+            from blockspec.kernels.w4a16 import w4a16_linear
 
             return w4a16_linear(x, self.kernel_weight(), self.weight_scale,
                                 self.weight_scale_2, self.bias)
@@ -170,7 +170,7 @@ class NVFP4Linear(_QuantBase):
         """relu(forward(x))^2 with the square in the W4A16 kernel's epilogue (one launch for
         an expert's up projection), or None where that kernel does not run."""
         if self.bias is None and self._triton_ok(x):
-            from blockspec.quant.triton_w4a16 import w4a16_linear
+            from blockspec.kernels.w4a16 import w4a16_linear
 
             return w4a16_linear(x, self.kernel_weight(), self.weight_scale,
                                 self.weight_scale_2, relu2=True)
@@ -269,7 +269,7 @@ def prepare_quantized(model: nn.Module) -> None:
 def prepare_w4a16(model: nn.Module) -> None:
     """Put every NVFP4 Linear that the W4A16 kernel will run (on CUDA, Triton importable) in
     the kernel's layout now, after loading and before any CUDA graph is captured."""
-    from blockspec.quant.triton_w4a16 import triton_available
+    from blockspec.kernels.triton_loader import triton_available
 
     if not triton_available():
         return
