@@ -101,7 +101,7 @@ def build_target(name: str, device: torch.device, dtype: torch.dtype, quantized:
     """A random preset target on ``device``, ready for ``Engine.from_model``."""
     from blockspec.models.nemotron_h import NemotronHForCausalLM
     from blockspec.configs.nemotron_h import NemotronHConfig
-    from blockspec.quant.linear import prepare_quantized
+    from blockspec.models.loader import prepare_quantized
 
     cfg = NemotronHConfig.from_dict(preset_config(name))
     with torch.device(device):

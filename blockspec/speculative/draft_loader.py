@@ -11,9 +11,8 @@ from blockspec.models.dflash import DFlashDraftModel, build_draft_model
 from blockspec.configs.draft import (DraftConfig, DraftConfigError,
                                            normalize_draft_tensor_names, parse_draft_config,
                                            validate_against_target)
-from blockspec.models.loader import load_quant_plan
+from blockspec.models.loader import load_quant_plan, prepare_quantized
 from blockspec.configs.nemotron_h import NemotronHConfig
-from blockspec.quant.linear import prepare_quantized
 
 log = logging.getLogger("blockspec")
 
