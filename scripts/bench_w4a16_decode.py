@@ -31,7 +31,7 @@ two calls of a layer, so each timed graph cycles through enough weight copies (d
 draws (grouped) to move twice the L2 between repeats; ``--hot-l2`` repeats one call instead.
 
 ``--write-table`` writes the best config per problem class in the format
-``blockspec/quant/w4a16_tuned.json`` has (copy it there to make it the default).
+``blockspec/kernels/w4a16_tuned.json`` has (copy it there to make it the default).
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from blockspec.quant import triton_w4a16 as tw  # noqa: E402
+from blockspec.kernels import w4a16 as tw  # noqa: E402
+from blockspec.kernels import w4a16_tuned as tt  # noqa: E402
 
 EXPERTS, TOP_K, BLOCK_M = 128, 6, 16   # Lightning's routing; pair_w4a16's rows per block
 SHARED_PARTS = 2                       # the shared expert (3712 = 2 x 1856) rides as 2 slices
@@ -113,8 +114,8 @@ class Problem:
     def key(self) -> str:
         """The tuned-table key this problem's best config is stored under."""
         if self.grouped:
-            return tw.problem_key(self.n, self.k, BLOCK_M, self.blocks)
-        return tw.problem_key(self.n, self.k, self.m)
+            return tt.problem_key(self.n, self.k, BLOCK_M, self.blocks)
+        return tt.problem_key(self.n, self.k, self.m)
 
     @property
     def weight_bytes(self) -> int:
@@ -270,7 +271,7 @@ def plan_configs(problem: Problem, sms: int, axes: dict = AXES) -> tuple[list[di
             axes["num_stages"]):
         chunk = bk * sl
         try:
-            tw.check_v2_tile(bn, bk, sl)
+            tt.check_v2_tile(bn, bk, sl)
         except ValueError:
             dropped["launcher rejects the tile"] += len(axes["split_k"])
             continue
@@ -327,7 +328,7 @@ def tuned_point(problem: Problem, sms: int) -> dict:
 
 def launch_config(point: dict) -> dict:
     """The keyword arguments of a planned point (its labels dropped)."""
-    return {k: point[k] for k in tw.TUNED_KEYS}
+    return {k: point[k] for k in tt.TUNED_KEYS}
 
 
 def compile_signature(problem: Problem, cfg: dict) -> tuple:
@@ -582,13 +583,13 @@ def write_table(path: str | Path, results: list[Result], meta: dict) -> dict:
     configs, measured = best_configs(results)
     data = {"about": _ABOUT, **meta, "configs": dict(sorted(configs.items())),
             "measured": dict(sorted(measured.items()))}
-    tw.parse_tuned_table(data, str(path))
+    tt.parse_tuned_table(data, str(path))
     Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return data
 
 
 _ABOUT = ("Tuned launch configs of the W4A16 v2 kernel per problem class (keys: "
-          "triton_w4a16.problem_key; options: TUNED_KEYS). Written by "
+          "w4a16_tuned.problem_key; options: TUNED_KEYS). Written by "
           "scripts/bench_w4a16_decode.py --write-table on the GPU it measured; a class missing "
           "here keeps the built-in defaults.")
 
@@ -729,7 +730,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.write_table:
         out["table"] = write_table(args.write_table, results, meta)
         print(f"wrote the tuned table {args.write_table} ({len(out['table']['configs'])} "
-              f"entries): copy it to {tw.TUNED_PATH} or set {tw.TUNED_ENV}={args.write_table}")
+              f"entries): copy it to {tt.TUNED_PATH} or set {tt.TUNED_ENV}={args.write_table}")
     out["seconds"] = time.time() - t0
     Path(args.out).write_text(json.dumps(out, indent=1, default=str) + "\n", encoding="utf-8")
     print(f"wrote {args.out} in {out['seconds']:.0f} s")

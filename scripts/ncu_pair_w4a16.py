@@ -8,7 +8,7 @@ step and a verify of 4, on random packed experts with the shared expert's 2 slic
 import sys, torch
 sys.path.insert(0, "scripts")
 from bench_w4a16_decode import random_nvfp4
-from blockspec.quant import triton_w4a16 as tw
+from blockspec.kernels import w4a16 as tw
 dev = "cuda"
 g = torch.Generator(device=dev).manual_seed(0)
 E, S = 128, 2

@@ -126,7 +126,7 @@ HEAD_DIMS = {("window", 1, 2, False): 8, ("sink", 4, 4, True): 24, ("sink", 2, 8
 
 @pytest.mark.parametrize("variant, splits, group, uniform", TRITON_CASES)
 def test_triton_paged_matches_torch_native(interpreter, variant, splits, group, uniform):
-    from blockspec.attention import triton_paged as tp
+    from blockspec.kernels import paged_attention as tp
 
     kw = VARIANTS[variant]
     seed = hash((variant, splits, group, uniform)) % 1000

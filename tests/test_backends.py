@@ -77,14 +77,14 @@ def test_shipped_registry_resolves_everywhere():
         assert r.decode in BACKENDS and (r.draft in BACKENDS if spec else r.draft is None)
 
 
-# ---- the draft attention flag selects the draft's implementation ----------
+# ---- the draft attention flag selects the draft's implementation ---------------------------
 def test_draft_attention_flag_selects_the_draft_implementation(monkeypatch, tmp_path):
     """--speculative-draft-attention-backend picks the backend the draft's attention runs in,
     through the same registry as the target's: a recording backend set for the draft alone sees
     every draft layer (and no target layer), and the output stays target-only exact."""
     from blockspec import Engine
     from blockspec.args import BACKENDS
-    from blockspec.attention import base
+    from blockspec import attention
     from blockspec.attention.torch_native import TorchNativeAttention
     from tests.spec_fixtures import draft_config, make_spec_target, write_draft
 
@@ -98,7 +98,7 @@ def test_draft_attention_flag_selects_the_draft_implementation(monkeypatch, tmp_
             return super().attend(q, k_cache, v_cache, meta, **kw)
 
     monkeypatch.setitem(BACKENDS, "recording", BackendInfo("recording", ("cpu",)))
-    monkeypatch.setitem(base.FACTORIES, "recording", Recording)
+    monkeypatch.setitem(attention.FACTORIES, "recording", Recording)
     _, target = make_spec_target(tmp_path, offset=2.0, mix=0.3, pull=3.5)
     draft = write_draft(tmp_path / "d", draft_config("dflash", hidden=32, vocab=24, target_layers=7,
                                                      block_size=4), std=0.05)

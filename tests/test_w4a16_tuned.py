@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from blockspec.quant import triton_w4a16 as tw
+from blockspec.kernels import w4a16 as tw
+from blockspec.kernels import w4a16_tuned as tt
+from blockspec.kernels.triton_loader import triton_available
 
-needs_triton = pytest.mark.skipif(not tw.triton_available(), reason="triton not importable")
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not importable")
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_w4a16_decode.py"
 
 
@@ -26,10 +28,10 @@ def interpreter(monkeypatch):
 @pytest.fixture(autouse=True)
 def fresh_tables(monkeypatch):
     """Every test starts from the packaged table and leaves no cached table behind."""
-    monkeypatch.delenv(tw.TUNED_ENV, raising=False)
-    tw._read_tuned.cache_clear()
+    monkeypatch.delenv(tt.TUNED_ENV, raising=False)
+    tt._read_tuned.cache_clear()
     yield
-    tw._read_tuned.cache_clear()
+    tt._read_tuned.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,7 @@ def _table(tmp_path: Path, configs: dict, monkeypatch=None, name: str = "t.json"
     path = tmp_path / name
     path.write_text(json.dumps({"about": "test", "configs": configs}))
     if monkeypatch is not None:
-        monkeypatch.setenv(tw.TUNED_ENV, str(path))
+        monkeypatch.setenv(tt.TUNED_ENV, str(path))
     return path
 
 
@@ -57,12 +59,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------------------- lookup
 def test_buckets_and_keys():
-    assert [tw.bucket(v, tw.ROW_EDGES) for v in (1, 2, 4, 5, 8, 9, 16, 17, 64, 65, 200)] == [
+    assert [tt.bucket(v, tt.ROW_EDGES) for v in (1, 2, 4, 5, 8, 9, 16, 17, 64, 65, 200)] == [
         "1", "2-4", "2-4", "5-8", "5-8", "9-16", "9-16", "17-32", "33-64", "65-128", "129-256"]
-    assert [tw.bucket(v, tw.BLOCK_EDGES) for v in (1, 6, 8, 9, 24, 32, 36, 64, 65)] == [
+    assert [tt.bucket(v, tt.BLOCK_EDGES) for v in (1, 6, 8, 9, 24, 32, 36, 64, 65)] == [
         "1-8", "1-8", "1-8", "9-32", "9-32", "9-32", "33-64", "33-64", "65-128"]
-    assert tw.problem_key(3712, 2688, 6) == "dense N=3712 K=2688 rows=5-8"
-    assert (tw.problem_key(1856, 2688, 16, 24)
+    assert tt.problem_key(3712, 2688, 6) == "dense N=3712 K=2688 rows=5-8"
+    assert (tt.problem_key(1856, 2688, 16, 24)
             == "grouped N=1856 K=2688 block_m=16 blocks=9-32")
 
 
@@ -71,12 +73,12 @@ def test_packaged_table_is_valid_and_shipped():
     non-editable install carries it (pyproject's package-data)."""
     import tomllib
 
-    data = json.loads(tw.TUNED_PATH.read_text(encoding="utf-8"))
-    assert tw.parse_tuned_table(data, str(tw.TUNED_PATH)) == tw.tuned_table()
+    data = json.loads(tt.TUNED_PATH.read_text(encoding="utf-8"))
+    assert tt.parse_tuned_table(data, str(tt.TUNED_PATH)) == tt.tuned_table()
     root = Path(__file__).resolve().parents[1]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"]["blockspec"]
-    assert tw.TUNED_PATH.relative_to(root / "blockspec").as_posix() in globs
+    assert tt.TUNED_PATH.relative_to(root / "blockspec").as_posix() in globs
 
 
 def test_lookup_picks_the_entry_and_falls_back(tmp_path, monkeypatch):
@@ -96,8 +98,8 @@ def test_lookup_picks_the_entry_and_falls_back(tmp_path, monkeypatch):
     assert tw.v2_default_config(3712, 2688, 1) == tw._builtin_v2_config(3712, 2688, 1)
     assert tw.v2_default_config(3712, 2688, 4, blocks=1) == builtin_d  # dense key != grouped
     assert tw.v2_default_config(1856, 2688, 16, blocks=6, tuned=False) == builtin_g
-    monkeypatch.setenv(tw.TUNED_ENV, "none")
-    assert tw.tuned_table() == {}
+    monkeypatch.setenv(tt.TUNED_ENV, "none")
+    assert tt.tuned_table() == {}
     assert tw.v2_default_config(1856, 2688, 16, blocks=6) == builtin_g
 
 
@@ -136,36 +138,36 @@ def test_builtin_defaults_unchanged():
 def test_malformed_entry_names_file_and_key(tmp_path, monkeypatch, configs, match):
     path = _table(tmp_path, configs, monkeypatch)
     key = next(iter(configs))
-    with pytest.raises(tw.TunedTableError, match=match) as info:
-        tw.tuned_table()
+    with pytest.raises(tt.TunedTableError, match=match) as info:
+        tt.tuned_table()
     assert str(path) in str(info.value) and repr(key) in str(info.value)
     # and the error reaches the caller of the kernel, before any launch
     p = torch.zeros(64, 64, dtype=torch.uint8)
     s = torch.ones(64, 8).to(torch.float8_e4m3fn)
-    with pytest.raises(tw.TunedTableError, match=match):
+    with pytest.raises(tt.TunedTableError, match=match):
         tw.w4a16_linear(torch.zeros(1, 128), p, s, torch.tensor(1.0), variant="v2")
 
 
 def test_unreadable_tables_name_the_file(tmp_path, monkeypatch):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    monkeypatch.setenv(tw.TUNED_ENV, str(bad))
-    with pytest.raises(tw.TunedTableError, match="bad.json.*not valid JSON"):
-        tw.tuned_table()
+    monkeypatch.setenv(tt.TUNED_ENV, str(bad))
+    with pytest.raises(tt.TunedTableError, match="bad.json.*not valid JSON"):
+        tt.tuned_table()
     bad.write_text(json.dumps({"dense N=64 K=128 rows=1": {}}))  # no "configs"
-    tw._read_tuned.cache_clear()
-    with pytest.raises(tw.TunedTableError, match="bad.json.*'configs'"):
-        tw.tuned_table()
-    monkeypatch.setenv(tw.TUNED_ENV, str(tmp_path / "missing.json"))
-    with pytest.raises(tw.TunedTableError, match="missing.json"):
-        tw.tuned_table()
+    tt._read_tuned.cache_clear()
+    with pytest.raises(tt.TunedTableError, match="bad.json.*'configs'"):
+        tt.tuned_table()
+    monkeypatch.setenv(tt.TUNED_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(tt.TunedTableError, match="missing.json"):
+        tt.tuned_table()
 
 
 def test_table_is_read_once(tmp_path, monkeypatch):
     path = _table(tmp_path, {"dense N=64 K=128 rows=1": {"block_n": 32}}, monkeypatch)
-    assert tw.tuned_config(64, 128, 1) == {"block_n": 32}
+    assert tt.tuned_config(64, 128, 1) == {"block_n": 32}
     path.write_text("{not json")  # not read again
-    assert tw.tuned_config(64, 128, 1) == {"block_n": 32}
+    assert tt.tuned_config(64, 128, 1) == {"block_n": 32}
 
 
 # ------------------------------------------------------------------------------- launcher
@@ -184,14 +186,14 @@ class _Spy:
 
 @pytest.fixture
 def spy(monkeypatch):
-    real = tw._kernels_v2
+    real = tw.v2_kernel
     holder = {}
 
-    def kernels(interpret):
-        holder.setdefault("spy", _Spy(real(interpret)))
+    def kernel():
+        holder.setdefault("spy", _Spy(real()))
         return holder["spy"]
 
-    monkeypatch.setattr(tw, "_kernels_v2", kernels)
+    monkeypatch.setattr(tw, "v2_kernel", kernel)
     return lambda: holder["spy"].launches
 
 
@@ -216,7 +218,7 @@ def test_dense_launch_honours_the_table(interpreter, spy, tmp_path, monkeypatch)
     p, s, s2 = _weights(n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).bfloat16()
     ref = tw.w4a16_linear_reference(x, p, s, s2)
-    _table(tmp_path, {tw.problem_key(n, k, m): {"block_n": 16, "block_k": 64, "k_slices": 2,
+    _table(tmp_path, {tt.problem_key(n, k, m): {"block_n": 16, "block_k": 64, "k_slices": 2,
                                                 "split_k": 2}}, monkeypatch)
     y = tw.w4a16_linear(x, p, s, s2, variant="v2")
     last = spy()[-1]
@@ -240,7 +242,7 @@ def test_pair_launch_honours_the_table(interpreter, spy, tmp_path, monkeypatch):
     w, s, s2 = _weights(n, k, experts, seed=2)
     ids = torch.tensor([[3, 0, 4], [1, 3, 2]])
     x = torch.randn(ids.numel(), k, generator=torch.Generator().manual_seed(3)).bfloat16()
-    _table(tmp_path, {tw.problem_key(n, k, 16, ids.numel()): {"block_n": 16, "split_k": 2,
+    _table(tmp_path, {tt.problem_key(n, k, 16, ids.numel()): {"block_n": 16, "split_k": 2,
                                                               "block_k": 64}}, monkeypatch)
     y = tw.pair_w4a16(x, ids, w, s, s2, x_per_pair=True)
     last = spy()[-1]
@@ -283,7 +285,7 @@ def test_decode_problems(sweep):
     assert {(p.n, p.k) for p in probs if p.name.startswith("shared_down")} == {(2688, 3712)}
     keys = [p.key for p in probs]
     assert len(set(keys)) == len(keys)  # one table entry per problem
-    assert tw.parse_tuned_table({"configs": {key: {} for key in keys}}, "x") == {
+    assert tt.parse_tuned_table({"configs": {key: {} for key in keys}}, "x") == {
         key: {} for key in keys}
     assert [p.key.split("blocks=")[1] for p in probs[:3]] == ["1-8", "9-32", "33-64"]
 
@@ -295,7 +297,7 @@ def test_plan_configs(sweep):
         assert len(set(launches)) == len(launches) > 50
         assert sum(q["builtin"] for q in points) == 1 and sum(dropped.values()) > 0
         for q in points:
-            tw.check_v2_tile(q["block_n"], q["block_k"], q["k_slices"])
+            tt.check_v2_tile(q["block_n"], q["block_k"], q["k_slices"])
             chunk = q["block_k"] * q["k_slices"]
             assert tw.split_plan(p.k, chunk, q["split_k"])[0] == q["split_k"]  # as launched
         builtin = next(q for q in points if q["builtin"])
@@ -340,9 +342,9 @@ def test_sweep_end_to_end_with_a_fake_timer(sweep, interpreter, tmp_path, monkey
     data = sweep.write_table(path, results, {"device": "cpu (fake timer)"})
     assert json.loads(path.read_text()) == data
     assert set(data["configs"]) == {p.key for p in probs}
-    monkeypatch.setenv(tw.TUNED_ENV, str(path))
-    assert tw.tuned_config(32, 128, 16, 12) == sweep.launch_config(results[0].best)
-    assert tw.tuned_config(32, 128, 2) == sweep.launch_config(results[2].best)
+    monkeypatch.setenv(tt.TUNED_ENV, str(path))
+    assert tt.tuned_config(32, 128, 16, 12) == sweep.launch_config(results[0].best)
+    assert tt.tuned_config(32, 128, 2) == sweep.launch_config(results[2].best)
     assert data["measured"][probs[0].key]["tiny_up"]["us"] == results[0].best["us"]
 
 

@@ -18,7 +18,6 @@ say ``supports_cuda_graph = False`` and run eagerly.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,26 +49,3 @@ class AttentionBackend(ABC):
                sink: torch.Tensor | None) -> torch.Tensor:
         ...
 
-
-def _torch_native() -> AttentionBackend:
-    from blockspec.attention.torch_native import TorchNativeAttention
-
-    return TorchNativeAttention()
-
-
-def _triton() -> AttentionBackend:
-    from blockspec.attention.triton_paged import TritonPagedAttention
-
-    return TritonPagedAttention()
-
-
-# Implementations by the names of ``args.BACKENDS`` (resolution and availability are checked
-# there, before any model is loaded).
-FACTORIES: dict[str, Callable[[], AttentionBackend]] = {"torch_native": _torch_native, "triton": _triton}
-
-
-def create_backend(name: str) -> AttentionBackend:
-    """A new instance of the backend registered under ``name``."""
-    if name not in FACTORIES:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(sorted(FACTORIES))}")
-    return FACTORIES[name]()

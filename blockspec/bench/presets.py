@@ -16,8 +16,8 @@ import torch
 from blockspec.configs.draft import parse_draft_config
 from blockspec.configs.nemotron_h import NemotronHConfig
 from blockspec.models.draft import build_draft_model
+from blockspec.models.loader import prepare_quantized
 from blockspec.models.nemotron_h import NemotronHForCausalLM
-from blockspec.quant.linear import prepare_quantized
 from blockspec.quant.recipes import lightning_format
 from blockspec.tiny_model import TINY_CONFIG
 from blockspec.train.draft_layout import default_target_layer_ids

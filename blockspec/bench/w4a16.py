@@ -3,7 +3,7 @@
     python -m blockspec.bench.w4a16 --out w4a16.json [--quick] [--jobs 8]
 
 For every shape (N x K) and M in {1, 4, 8, 16, 64}, each kernel variant (``v2``,
-``v2t``, ``v2w``; see ``blockspec.quant.triton_w4a16``) runs with its default tile config and a
+``v2t``, ``v2w``; see ``blockspec.kernels.w4a16``) runs with its default tile config and a
 few alternatives.  Every (variant, config) is first checked against the pure-torch reference
 (relative error <= 1e-2); one that is wrong or fails to compile is skipped and reported, never
 fatal.  Times are medians of CUDA-graph replays (launch overhead excluded), reported as GB/s of
@@ -29,6 +29,10 @@ from typing import Callable
 import torch
 
 from blockspec.bench.timing import graph_time_ms
+from blockspec.kernels import w4a16 as tw
+from blockspec.layers.moe import sort_by_expert
+from blockspec.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from blockspec.quant.w4a16_layout import to_kernel_layout
 
 SHAPES = {  # name: (N, K)
     "expert_up": (1856, 2688),
@@ -116,9 +120,6 @@ _CACHE: dict = {}
 def _dense_problem(name: str) -> tuple:
     """Packed weights of one shape (made once per process), plus the exact bf16 weight."""
     if ("dense", name) not in _CACHE:
-        from blockspec.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-        from blockspec.quant.w4a16_layout import to_kernel_layout
-
         n, k = SHAPES[name]
         g = torch.Generator(device="cuda").manual_seed(n * 131 + k)
         packed, scale, scale2 = quantize_nvfp4(
@@ -132,9 +133,6 @@ def _dense_problem(name: str) -> tuple:
 
 def _grouped_problem(name: str) -> tuple:
     if ("grouped", name) not in _CACHE:
-        from blockspec.quant.nvfp4 import quantize_nvfp4
-        from blockspec.quant.w4a16_layout import to_kernel_layout
-
         n, k = SHAPES[name]
         g = torch.Generator(device="cuda").manual_seed(n + k)
         parts = [quantize_nvfp4((torch.randn(n, k, device="cuda", generator=g) * 0.02)
@@ -153,9 +151,6 @@ def _dense_inputs(name: str, m: int) -> tuple:
 
 
 def _grouped_inputs(name: str, tokens: int) -> tuple:
-    from blockspec.layers.moe import sort_by_expert
-    from blockspec.quant import triton_w4a16 as tw
-
     w, s, s2 = _grouped_problem(name)
     g = torch.Generator(device="cuda").manual_seed(tokens)
     topk = torch.stack([torch.randperm(EXPERTS, device="cuda", generator=g)[:TOP_K]
@@ -167,8 +162,6 @@ def _grouped_inputs(name: str, tokens: int) -> tuple:
 
 
 def _dense_call(task: tuple) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
-    from blockspec.quant import triton_w4a16 as tw
-
     name, m, variant, cfg = task
     x, packed, scale, scale2, w_bf16 = _dense_inputs(name, m)
     return (lambda: tw.w4a16_linear(x, packed, scale, scale2, variant=variant, **cfg),
@@ -176,8 +169,6 @@ def _dense_call(task: tuple) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
 
 
 def _grouped_call(task: tuple) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
-    from blockspec.quant import triton_w4a16 as tw
-
     name, tokens, variant, cfg = task
     x, offsets, blocks, w, s, s2 = _grouped_inputs(name, tokens)
     return (lambda: tw.grouped_w4a16(x, offsets, w, s, s2, blocks=blocks, variant=variant,
@@ -386,8 +377,6 @@ def main(argv: list[str] | None = None) -> None:
     for rec in grouped:
         _print_grouped(rec)
     rec_all = recommend(dense + grouped)
-    from blockspec.quant import triton_w4a16 as tw
-
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": props.name, "torch": torch.__version__,

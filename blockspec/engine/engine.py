@@ -21,6 +21,7 @@ from blockspec.demo_family import demo_engine_kwargs
 from blockspec.engine.loop import EngineClosedError, EngineLoop, LoopStats, StreamOutput
 from blockspec.engine.request import Request
 from blockspec.engine.scheduler import Scheduler
+from blockspec.kernels.triton_loader import triton_importable
 from blockspec.models.loader import load_target
 from blockspec.models.nemotron_h import NemotronHForCausalLM
 from blockspec.runtime.model_runner import ModelRunner, RunnerOptions
@@ -54,11 +55,7 @@ def device_info(dev: torch.device) -> DeviceInfo:
 
 def available_modules() -> frozenset[str]:
     """Optional modules backends need (``BackendInfo.needs_available``)."""
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return frozenset()
-    return frozenset({"triton"})
+    return frozenset({"triton"}) if triton_importable() else frozenset()
 
 
 def cache_layout(cfg: NemotronHConfig) -> CacheLayout:

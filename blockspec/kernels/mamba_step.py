@@ -13,7 +13,7 @@ import torch
 
 from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2
 
-_KERNELS = Path(__file__).with_name("_mamba_kernels.py")
+_KERNELS = Path(__file__).with_name("_mamba_step_kernels.py")
 
 
 def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,

@@ -16,7 +16,7 @@ import torch
 
 from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2
 
-_KERNELS = Path(__file__).with_name("_markov_kernels.py")
+_KERNELS = Path(__file__).with_name("_markov_walk_kernels.py")
 
 
 def markov_walk_greedy(base_logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.kernels.triton_loader import load_kernels, next_pow2
+from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2
 
 _KERNELS = Path(__file__).with_name("_norm_kernels.py")
 
@@ -24,8 +24,6 @@ def _scale(fp8_scale: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 
 
 def _warps(block: int) -> dict:
-    from blockspec.kernels.triton_loader import interpreting
-
     return {} if interpreting() else {"num_warps": 8 if block >= 2048 else 4}
 
 

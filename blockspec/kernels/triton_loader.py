@@ -38,23 +38,32 @@ def load_kernels(path: str | Path) -> ModuleType:
 
 
 @functools.lru_cache(maxsize=1)
-def _triton_importable() -> bool:
+def triton_importable() -> bool:
+    """Whether ``import triton`` works (the compiler, or the interpreter on CPU): the one place
+    that tries it. The engine asks this to offer the Triton attention backend."""
     try:
+        # lazy: triton is optional (CPU-only installs may lack it); imported to test for it
         import triton  # noqa: F401
     except Exception:
         return False
     return True
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Fast paths run on CUDA tensors when triton imports and no gradient is wanted (the
-    kernels have no backward; training runs the references), unless
-    BLOCKSPEC_DISABLE_TRITON=1 asks for the torch references everywhere (to compare the two)."""
-    if not x.is_cuda or torch.is_grad_enabled():
-        return False
+def triton_available() -> bool:
+    """Triton kernels may run: triton imports, unless BLOCKSPEC_DISABLE_TRITON=1 asks for the
+    torch references everywhere (to compare the two paths). Callers that also check the device
+    and dtype themselves use this; ``use_triton`` adds the common checks."""
     if os.environ.get("BLOCKSPEC_DISABLE_TRITON", "0") not in ("", "0"):
         return False
-    return _triton_importable()
+    return triton_importable()
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Fast paths run on CUDA tensors when ``triton_available()`` and no gradient is wanted
+    (the kernels have no backward; training runs the references)."""
+    if not x.is_cuda or torch.is_grad_enabled():
+        return False
+    return triton_available()
 
 
 def next_pow2(n: int, at_least: int = 1) -> int:

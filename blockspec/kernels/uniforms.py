@@ -10,7 +10,7 @@ import torch
 
 from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2
 
-_KERNELS = Path(__file__).with_name("_uniform_kernels.py")
+_KERNELS = Path(__file__).with_name("_uniforms_kernels.py")
 
 
 def uniforms_fused(seeds: torch.Tensor, counters: torch.Tensor, stream: int,

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from blockspec.quant.linear import make_quant_linear
+
 
 class QuantPlan(Protocol):
     """What a model needs to know about a checkpoint's quantization: one format per module."""
@@ -50,6 +52,4 @@ def build_linear(prefix: str, in_features: int, out_features: int, bias: bool = 
     fmt = quant.format_for(prefix) if quant is not None else None
     if fmt is None:
         return Linear(in_features, out_features, bias=bias, dtype=dtype)
-    from blockspec.quant.linear import make_quant_linear
-
     return make_quant_linear(fmt, in_features, out_features, bias=bias, dtype=dtype, prefix=prefix)

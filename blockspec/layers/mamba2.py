@@ -18,6 +18,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from blockspec.kernels.mamba_step import mamba_steps
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.quant.linear import fused_input_scale
@@ -190,8 +191,6 @@ class Mamba2Mixer(nn.Module):
         zxbcdt = self._in(u)
         z = zxbcdt[:, : self.d_inner]
         if use_triton(u) and self.K == 4:
-            from blockspec.kernels.mamba_step import mamba_steps
-
             y = mamba_steps(zxbcdt, conv_weight=self.conv1d.weight, conv_bias=self.conv1d.bias,
                             dt_bias=self.dt_bias, a_log=self.A_log, d_skip=self.D,
                             conv_state=conv_state, ssm_state=ssm_state, slots=slots, steps=steps,

@@ -31,9 +31,12 @@ from blockspec.kernels.moe_combine import moe_combine, moe_combine_reference
 from blockspec.kernels.moe_pairs import DEDUP_MAX_TOKENS, pair_gemv
 from blockspec.kernels.relu2 import relu2 as relu2_kernel, relu2_reference
 from blockspec.kernels.router_gemv import router_logits_reference, router_partials
-from blockspec.kernels.triton_loader import use_triton
-from blockspec.layers.linear import QuantPlan, build_linear
+from blockspec.kernels.triton_loader import triton_available, use_triton
+from blockspec.kernels.w4a16 import (PAIR_DEDUP_MAX_TOKENS, grouped_blocks, grouped_w4a16,
+                                     pair_w4a16)
+from blockspec.layers.linear import Linear, QuantPlan, build_linear
 from blockspec.configs.nemotron_h import NemotronHConfig
+from blockspec.quant.linear import NVFP4Linear, stack_nvfp4_experts
 
 # the per-pair path's limit: beyond it grouping pairs by expert saves weight reads
 PAIR_PATH_MAX_PAIRS = 64
@@ -129,9 +132,6 @@ class MoE(nn.Module):
         """Stack the routed experts' weights once (the per-expert buffers become views, so the
         weights stay in memory once) for the grouped paths. Call after loading, on the final
         device. Returns False when the experts mix formats (the reference loop then runs)."""
-        from blockspec.layers.linear import Linear
-        from blockspec.quant.linear import NVFP4Linear, stack_nvfp4_experts
-
         ups = [e.up_proj for e in self.experts]
         downs = [e.down_proj for e in self.experts]
         if all(isinstance(m, NVFP4Linear) for m in ups + downs):
@@ -158,8 +158,6 @@ class MoE(nn.Module):
         slices are row blocks, down slices column blocks of the intermediate dimension, so
         down(relu2(up(x))) is the sum of the S slices' outputs. The down slices are copies
         (column blocks are not views): the grouped path still runs the whole module."""
-        from blockspec.quant.linear import NVFP4Linear
-
         sh, routed = self.shared_experts, self.experts[0]
         if sh is None or self.latent:
             return [], []
@@ -189,8 +187,6 @@ class MoE(nn.Module):
             return True
         if self._grouped is None or device.type != "cuda":
             return False
-        from blockspec.quant.triton_w4a16 import triton_available
-
         return dtype in (torch.bfloat16, torch.float16) and triton_available()
 
     def _use_grouped(self, h: torch.Tensor) -> bool:
@@ -199,8 +195,6 @@ class MoE(nn.Module):
     def routed_grouped(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                        shared: torch.Tensor | None) -> torch.Tensor:
         """All (token, expert) pairs sorted by expert through two grouped W4A16 GEMMs."""
-        from blockspec.quant.triton_w4a16 import grouped_blocks, grouped_w4a16
-
         (wu, su, s2u), (wd, sd, s2d) = self._grouped     # offsets skip the shared slices
         order, offsets = sort_by_expert(ids, len(self.experts))
         tok = order // ids.shape[1]
@@ -223,8 +217,6 @@ class MoE(nn.Module):
             up = pair_gemv(h, ids, wu, bu, relu2=True, dedup=dedup)
             y = pair_gemv(up, ids, wd, bd, x_per_pair=True, dedup=dedup)
         else:
-            from blockspec.quant.triton_w4a16 import PAIR_DEDUP_MAX_TOKENS, pair_w4a16
-
             (wu, su, s2u), (wd, sd, s2d) = self._grouped
             dedup = 1 < ids.shape[0] <= PAIR_DEDUP_MAX_TOKENS
             parts = self._shared_parts if ride else 0

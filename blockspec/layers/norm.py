@@ -8,6 +8,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from blockspec.kernels.fp8_quant import quantize_fp8_act_reference
+from blockspec.kernels.norm import gated_rms_norm, rms_norm
 from blockspec.kernels.triton_loader import use_triton
 
 
@@ -21,8 +23,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, fp8_scale: torch.Tensor | None = None) -> torch.Tensor:
         if use_triton(x):
-            from blockspec.kernels.norm import rms_norm
-
             return rms_norm(x, self.weight, self.eps, fp8_scale=fp8_scale)[1]
         return _to_fp8(self.reference(x), fp8_scale)
 
@@ -30,8 +30,6 @@ class RMSNorm(nn.Module):
                     fp8_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The pre-norm block step: (h + out, norm(h + out)), the sum in h's dtype."""
         if use_triton(h):
-            from blockspec.kernels.norm import rms_norm
-
             return rms_norm(h, self.weight, self.eps, residual=out, fp8_scale=fp8_scale)
         h = h + out
         return h, _to_fp8(self.reference(h), fp8_scale)
@@ -61,8 +59,6 @@ class GatedGroupRMSNorm(nn.Module):
     def forward(self, y: torch.Tensor, gate: torch.Tensor,
                 fp8_scale: torch.Tensor | None = None) -> torch.Tensor:
         if use_triton(gate):
-            from blockspec.kernels.norm import gated_rms_norm
-
             return gated_rms_norm(y, gate, self.weight, self.group_size, self.eps,
                                   fp8_scale=fp8_scale)
         return _to_fp8(self.reference(y, gate), fp8_scale)
@@ -79,6 +75,4 @@ class GatedGroupRMSNorm(nn.Module):
 def _to_fp8(y: torch.Tensor, fp8_scale: torch.Tensor | None) -> torch.Tensor:
     if fp8_scale is None:
         return y
-    from blockspec.kernels.fp8_quant import quantize_fp8_act_reference
-
     return quantize_fp8_act_reference(y, fp8_scale)

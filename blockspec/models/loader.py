@@ -1,4 +1,5 @@
-"""Build a Nemotron-H target from a model folder (dense or ModelOpt-quantized)."""
+"""Build a Nemotron-H target from a model folder (dense or ModelOpt-quantized), and the
+once-after-loading preparation of quantized layers that targets and drafts share."""
 from __future__ import annotations
 
 import logging
@@ -6,9 +7,14 @@ from pathlib import Path
 
 import torch
 
+from torch import nn
+
 from blockspec.checkpoint import TensorSource, load_state, read_config
-from blockspec.models.nemotron_h import NemotronHForCausalLM
 from blockspec.configs.nemotron_h import NemotronHConfig
+from blockspec.layers.moe import MoE
+from blockspec.models.nemotron_h import NemotronHForCausalLM
+from blockspec.quant import config as quant_config
+from blockspec.quant.linear import prepare_fp8, prepare_w4a16
 
 log = logging.getLogger("blockspec")
 
@@ -18,9 +24,7 @@ def load_quant_plan(path: Path, raw: dict, names: list[str]):
     has_quant = (path / "hf_quant_config.json").is_file() or "quantization_config" in raw
     if not has_quant:
         return None
-    from blockspec.quant.config import load_quant_plan as _load
-
-    plan = _load(path, raw, names)
+    plan = quant_config.load_quant_plan(path, raw, names)
     for notice in getattr(plan, "notices", []) if plan is not None else []:
         log.warning("%s", notice)
     return plan
@@ -60,8 +64,18 @@ def load_target(path: str | Path, dtype: torch.dtype, device: torch.device
             return name
 
         load_state(model, src, rename=rename, what=f"target checkpoint {folder.name}")
-    from blockspec.quant.linear import prepare_quantized
-
     prepare_quantized(model)
     model.eval()
     return model, cfg
+
+
+def prepare_quantized(model: nn.Module) -> None:
+    """Everything a loaded model's quantized layers decide or rearrange once, on their final
+    device and before any CUDA graph is captured: the MoE's stacked experts, the FP8
+    activation-scale modes and the W4A16 kernel layout. It lives beside the loader because it
+    reaches into both layers/ (the MoE) and quant/ (the quantized linears)."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.prepare_grouped()
+    prepare_fp8(model)
+    prepare_w4a16(model)

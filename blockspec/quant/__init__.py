@@ -1,14 +1,9 @@
-"""ModelOpt quantized checkpoints: config parsing, NVFP4/FP8 formats, modules, quantizer.
+"""ModelOpt quantized checkpoints: config parsing (``config``), the NVFP4 and FP8 formats
+(``nvfp4``, ``fp8``, ``w4a16_layout``), the quantized modules (``linear``) and the offline
+quantizer (``quantize``, ``recipes``).
 
-Importing this package never imports Triton; ``blockspec.quant.triton_w4a16`` does, lazily.
+The package itself imports nothing, so ``kernels/`` can use the format modules (``nvfp4``,
+``w4a16_layout``) while ``linear`` uses the kernels, without a circle through this file.
+Importing any of it never imports Triton: the W4A16 kernel (``blockspec.kernels.w4a16``)
+loads it when it first launches.
 """
-from blockspec.quant.config import QuantConfigError, QuantPlan, load_quant_plan
-from blockspec.quant.linear import (FP8Linear, NVFP4Linear, QuantEmbedding, make_quant_embedding,
-                                    make_quant_linear)
-from blockspec.quant.quantize import dequantize_checkpoint, quantize_checkpoint
-
-__all__ = [
-    "FP8Linear", "NVFP4Linear", "QuantConfigError", "QuantEmbedding", "QuantPlan",
-    "dequantize_checkpoint", "load_quant_plan", "make_quant_embedding", "make_quant_linear",
-    "quantize_checkpoint",
-]

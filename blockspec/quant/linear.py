@@ -25,7 +25,8 @@ from torch import nn
 
 from blockspec.kernels.fp8_quant import quantize_fp8_act
 from blockspec.kernels.fp8_quant import quantize_fp8_act_reference as _quantize_act
-from blockspec.kernels.triton_loader import use_triton
+from blockspec.kernels.triton_loader import triton_available, use_triton
+from blockspec.kernels.w4a16 import w4a16_linear
 from blockspec.quant.config import FORMATS, FP8, NVFP4, W4A16_NVFP4
 from blockspec.quant.fp8 import dequantize_fp8, fp8_scale
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4, dequantize_nvfp4_rows
@@ -151,16 +152,12 @@ class NVFP4Linear(_QuantBase):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _triton_ok(self, x: torch.Tensor) -> bool:
-        if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
-            return False
-        from blockspec.quant.triton_w4a16 import triton_available
-
-        return triton_available()
+        # triton_available, not use_triton: the kernel also runs with gradients enabled, where
+        # use_triton would fall back to dequantizing the whole weight
+        return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and triton_available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._triton_ok(x):
-            from blockspec.quant.triton_w4a16 import w4a16_linear
-
             return w4a16_linear(x, self.kernel_weight(), self.weight_scale,
                                 self.weight_scale_2, self.bias)
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -170,8 +167,6 @@ class NVFP4Linear(_QuantBase):
         """relu(forward(x))^2 with the square in the W4A16 kernel's epilogue (one launch for
         an expert's up projection), or None where that kernel does not run."""
         if self.bias is None and self._triton_ok(x):
-            from blockspec.quant.triton_w4a16 import w4a16_linear
-
             return w4a16_linear(x, self.kernel_weight(), self.weight_scale,
                                 self.weight_scale_2, relu2=True)
         return None
@@ -253,24 +248,9 @@ class FP8Linear(_QuantBase):
         return f"in={self.in_features}, out={self.out_features}, fmt=fp8"
 
 
-def prepare_quantized(model: nn.Module) -> None:
-    """Everything a loaded model's quantized layers decide or rearrange once, on their final
-    device and before any CUDA graph is captured: the MoE's stacked experts, the FP8
-    activation-scale modes and the W4A16 kernel layout."""
-    from blockspec.layers.moe import MoE
-
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.prepare_grouped()
-    prepare_fp8(model)
-    prepare_w4a16(model)
-
-
 def prepare_w4a16(model: nn.Module) -> None:
     """Put every NVFP4 Linear that the W4A16 kernel will run (on CUDA, Triton importable) in
     the kernel's layout now, after loading and before any CUDA graph is captured."""
-    from blockspec.quant.triton_w4a16 import triton_available
-
     if not triton_available():
         return
     for m in model.modules():

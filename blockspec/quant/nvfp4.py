@@ -150,13 +150,3 @@ def quantize_nvfp4(w: torch.Tensor, weight_scale_2: torch.Tensor | None = None,
     packed = pack_nibbles(e2m1_codes(scaled))
     return packed, weight_scale, ws2.reshape(())
 
-
-def packed_shape(out_features: int, in_features: int) -> tuple[int, int]:
-    """Stored shape of an NVFP4 weight for logical [out, in]."""
-    return (out_features, in_features // 2)
-
-
-def scale_shape(out_features: int, in_features: int, group_size: int = GROUP_SIZE
-                ) -> tuple[int, int]:
-    """Stored shape of an NVFP4 ``weight_scale`` for logical [out, in]."""
-    return (out_features, in_features // group_size)

@@ -3,7 +3,7 @@
 
 A ModelOpt checkpoint packs two E2M1 codes per byte (K = 2b in the low nibble, 2b + 1 in the
 high one), so a little-endian 16-bit word w holds K = 4w + r in nibble r (bits 4r..4r+3). The
-kernel (``triton_w4a16``) turns stream r's code ``s e1 e0 m`` into the bf16 bits
+kernel (``kernels/w4a16.py``) turns stream r's code ``s e1 e0 m`` into the bf16 bits
 ``s << 15 | e1 e0 m << 6`` of each of the two words in a 32-bit register.  From the checkpoint's
 nibbles that costs an AND, a multiply and an AND per stream; with the bits placed as below one
 shift and an AND (streams 0 and 1), a shared byte swap, a shift and an AND (stream 2), or an AND

@@ -12,8 +12,7 @@ from blockspec.configs.draft import DraftConfig, DraftConfigError, parse_draft_c
 from blockspec.configs.nemotron_h import NemotronHConfig
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.models.draft import build_draft_model
-from blockspec.models.loader import load_quant_plan
-from blockspec.quant.linear import prepare_quantized
+from blockspec.models.loader import load_quant_plan, prepare_quantized
 from blockspec.speculative.draft_names import normalize_draft_tensor_names
 
 log = logging.getLogger("blockspec")

@@ -1,4 +1,4 @@
-"""Triton kernels of the paged attention backend (``triton_paged.py`` has the launcher and the
+"""Triton kernels of paged attention (``kernels/paged_attention.py`` has the launcher and the
 layout of the work; ``kernels/triton_loader.py`` loads this file once per mode)."""
 import triton
 import triton.language as tl
