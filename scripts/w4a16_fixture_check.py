@@ -9,7 +9,7 @@ import torch
 
 from blockspec.checkpoint import load_tensors
 from blockspec.kernels import w4a16 as tw
-from blockspec.quant.w4a16_layout import to_kernel_layout
+from blockspec.kernels.w4a16_layout import to_kernel_layout
 
 folder = Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/modelopt/w4a16_nvfp4")
 t = load_tensors(folder)

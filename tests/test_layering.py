@@ -13,9 +13,10 @@ PKG = ROOT / "blockspec"
 
 # floor of each top-level module or package of blockspec (docs/architecture.md draws the same)
 FLOORS = {
-    0: ("configs", "cache", "kernels", "forward_metadata", "sampling", "checkpoint", "tokenizer",
-        "staged_dir", "progress", "args", "flags", "demo_data", "demo_family", "__init__"),
-    1: ("layers", "attention", "quant"),
+    0: ("configs", "cache", "kernels", "attention", "forward_metadata", "sampling", "checkpoint",
+        "tokenizer", "staged_dir", "progress", "args", "flags", "demo_data", "demo_family",
+        "__init__"),
+    1: ("layers", "quant"),
     2: ("models", "tiny_model"),
     3: ("runtime",),
     4: ("speculative",),
@@ -26,8 +27,8 @@ FLOORS = {
 FLOOR = {name: floor for floor, names in FLOORS.items() for name in names}
 # (importer, imported) arrows that run upward on purpose, each explained in docs/architecture.md
 UPWARD_OK = {
-    ("blockspec.forward_metadata", "blockspec.attention.base"),   # annotation only
-    ("blockspec", "blockspec.engine"),                            # the lazy public API
+    ("blockspec.kernels.w4a16", "blockspec.quant.nvfp4"),   # the reference decodes with the format
+    ("blockspec", "blockspec.engine"),                      # the lazy public API
 }
 MAX_LINES = 500
 DATA_FILES = {"demo_data/templates.py"}
@@ -98,8 +99,10 @@ def test_every_module_has_a_floor():
 
 
 def test_no_import_circle():
-    """Function-level and annotation-only imports count: a circle hidden in a function is one."""
-    graph = {m: {t for t, _, _ in edges} for m, edges in _imports().items()}
+    """Function-level imports count: a circle hidden in a function is one. Annotation-only
+    imports (``TYPE_CHECKING``) never run, so two modules may name each other's types; they
+    still count against the floors."""
+    graph = {m: {t for t, _, where in edges if where != "typing"} for m, edges in _imports().items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

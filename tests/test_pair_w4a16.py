@@ -11,7 +11,7 @@ import torch
 from blockspec.kernels import w4a16 as tw
 from blockspec.kernels.triton_loader import triton_available
 from blockspec.quant.nvfp4 import quantize_nvfp4
-from blockspec.quant.w4a16_layout import to_kernel_layout
+from blockspec.kernels.w4a16_layout import to_kernel_layout
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton not importable")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -3,7 +3,7 @@ kernel's decode undoes exactly, converted once per module and invisible to every
 import pytest
 import torch
 
-from blockspec.quant import w4a16_layout as lay
+from blockspec.kernels import w4a16_layout as lay
 from blockspec.quant.nvfp4 import quantize_nvfp4
 
 

@@ -200,7 +200,7 @@ def spy(monkeypatch):
 def _weights(n, k, experts=None, seed=0):
     from blockspec.quant.nvfp4 import quantize_nvfp4
 
-    from blockspec.quant.w4a16_layout import to_kernel_layout
+    from blockspec.kernels.w4a16_layout import to_kernel_layout
 
     g = torch.Generator().manual_seed(seed)
     if experts is None:

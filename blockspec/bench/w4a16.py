@@ -32,7 +32,7 @@ from blockspec.bench.timing import graph_time_ms
 from blockspec.kernels import w4a16 as tw
 from blockspec.layers.moe import sort_by_expert
 from blockspec.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from blockspec.quant.w4a16_layout import to_kernel_layout
+from blockspec.kernels.w4a16_layout import to_kernel_layout
 
 SHAPES = {  # name: (N, K)
     "expert_up": (1856, 2688),

@@ -3,7 +3,7 @@ registers (``kernels/w4a16.py`` has the launchers and the references).
 
 Decode (M <= 16) is memory bound, so the kernel reads each packed byte once, decodes it in
 registers and feeds bf16 tensor-core dots. W is read as uint16 words of 4 nibbles (K order
-4i..4i+3, the layout of ``quant/w4a16_layout.py``), so a K block is 4 dots over "nibble
+4i..4i+3, the layout of ``kernels/w4a16_layout.py``), so a K block is 4 dots over "nibble
 streams" r = 0..3, and x as int64 words (4 bf16) split the same way: a dot's K order is free as
 long as x and W agree. Weights, x and (as int32 words) scales are staged by cp.async; Triton
 converts the packed words to the MMA operand layout and each thread decodes whole 16-weight

@@ -8,7 +8,7 @@ One kernel (``_w4a16_kernels.py``, which says how it decodes) serves every shape
   expert e's rows, weights stacked [E, N, K/2] / [E, N, K/16] / [E];
 - pairs (MoE at decode): one block per (token, expert) pair, no sort (``pair_w4a16``).
 
-Packed weights come in the kernel's layout (``quant/w4a16_layout.to_kernel_layout``: the
+Packed weights come in the kernel's layout (``kernels/w4a16_layout.to_kernel_layout``: the
 checkpoint's bits moved within each 16-bit word; shapes, K order and scales unchanged). Every
 function here, the ``_reference`` ones included, takes that layout; ``NVFP4Linear`` and the
 MoE's stacked experts convert once after loading. The layout lets the inline-PTX decode make
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from blockspec.kernels.triton_loader import interpreting, load_kernels, sm_count
 from blockspec.kernels.w4a16_tuned import check_v2_tile, tuned_config
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4
-from blockspec.quant.w4a16_layout import from_kernel_layout
+from blockspec.kernels.w4a16_layout import from_kernel_layout
 
 _KERNELS = Path(__file__).with_name("_w4a16_kernels.py")
 # DECODE values of the v2 kernel: pure-Triton bf16 decode, inline-PTX bf16 decode, fp32 decode

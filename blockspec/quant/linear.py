@@ -30,7 +30,7 @@ from blockspec.kernels.w4a16 import w4a16_linear
 from blockspec.quant.config import FORMATS, FP8, NVFP4, W4A16_NVFP4
 from blockspec.quant.fp8 import dequantize_fp8, fp8_scale
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4, dequantize_nvfp4_rows
-from blockspec.quant.w4a16_layout import from_kernel_layout, to_kernel_layout, to_kernel_layout_
+from blockspec.kernels.w4a16_layout import from_kernel_layout, to_kernel_layout, to_kernel_layout_
 
 # Buffers whose dtype is part of the format: ``module.to(dtype)`` / ``.half()`` must only move
 # them, never cast them.
