@@ -48,9 +48,9 @@ python3 -c "import torch, tokenizers, sys; print('python', sys.version.split()[0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
 
 stage "data: $SAMPLES train problems; the shipped test split must be reproduced exactly"
-timeout 120 python3 -m blockspec.demo_data.generator --out "$WORK/data" --train "$SAMPLES" --test 500
-cmp -s "$WORK/data/test.jsonl" blockspec/demo_data/gsm8k_demo_test.jsonl \
-  && echo "test split: identical to blockspec/demo_data/gsm8k_demo_test.jsonl" \
+timeout 120 python3 -m blockspec.gsm8k_data.generator --out "$WORK/data" --train "$SAMPLES" --test 500
+cmp -s "$WORK/data/test.jsonl" blockspec/gsm8k_data/gsm8k_demo_test.jsonl \
+  && echo "test split: identical to blockspec/gsm8k_data/gsm8k_demo_test.jsonl" \
   || echo "WARNING: generated test split differs from the shipped one"
 
 # the target gets what the later stages do not need

@@ -60,7 +60,7 @@ def test_package_data_ships_every_family_file():
         "package-data"]["blockspec"]
     pkg = root / "blockspec"
     files = [f for m in MEMBERS for f in (pkg / "demo_family" / m).iterdir() if f.is_file()]
-    files.append(pkg / "demo_data" / "gsm8k_demo_test.jsonl")
+    files.append(pkg / "gsm8k_data" / "gsm8k_demo_test.jsonl")
     assert {f.name for f in files} >= {"model.safetensors", "config.json", "tokenizer.json",
                                        "tokenizer_config.json", "hf_quant_config.json"}
     for f in files:
@@ -70,7 +70,7 @@ def test_package_data_ships_every_family_file():
 
 @pytest.fixture(scope="module")
 def questions():
-    from blockspec.demo_data.generator import read_jsonl
+    from blockspec.gsm8k_data.generator import read_jsonl
     from blockspec.eval.gsm8k import DEFAULT_DATA
 
     return read_jsonl(DEFAULT_DATA)[:6]

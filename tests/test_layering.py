@@ -14,7 +14,7 @@ PKG = ROOT / "blockspec"
 # floor of each top-level module or package of blockspec (docs/architecture.md draws the same)
 FLOORS = {
     0: ("configs", "cache", "kernels", "attention", "forward_metadata", "sampling", "checkpoint",
-        "tokenizer", "staged_dir", "progress", "args", "flags", "demo_data", "demo_family",
+        "tokenizer", "staged_dir", "progress", "args", "flags", "gsm8k_data", "demo_family",
         "__init__"),
     1: ("layers", "quant"),
     2: ("models", "tiny_model"),
@@ -31,7 +31,7 @@ UPWARD_OK = {
     ("blockspec", "blockspec.engine"),                      # the lazy public API
 }
 MAX_LINES = 500
-DATA_FILES = {"demo_data/templates.py"}
+DATA_FILES = {"gsm8k_data/templates.py"}
 
 
 def _modules() -> dict[str, Path]:

@@ -15,7 +15,7 @@ Members, one folder each beside this file:
 ``demo_engine_kwargs`` is how an ``Engine`` (and so ``blockspec generate``, ``serve`` and
 ``eval``) without ``model_path`` picks this family, with DFlash on by default;
 ``speculative_algorithm="DSPARK"`` picks the DSpark draft and ``"NONE"`` turns speculation off.
-The family is trained on GSM8K-format word problems (``blockspec/demo_data``): ask it one.
+The family is trained on GSM8K-format word problems (``blockspec/gsm8k_data``): ask it one.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ MEMBERS = ("target", "target_mixed", "dflash", "dspark", "dflash_nvfp4", "dspark
 DEFAULT_DRAFT = {"DFLASH": "dflash", "DSPARK": "dspark"}
 SIZE_LIMIT_BYTES = 40 * 1000 * 1000
 _OFF = ("NONE", "OFF", "")
-# A question of the shipped test split (blockspec/demo_data/gsm8k_demo_test.jsonl, row 1), the
+# A question of the shipped test split (blockspec/gsm8k_data/gsm8k_demo_test.jsonl, row 1), the
 # README's first command; the family answers it with "#### 147".
 EXAMPLE_QUESTION = ("A book has 387 pages. Diego reads 60 pages a day for 4 days. "
                     "How many pages are left to read?")

@@ -24,11 +24,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from blockspec.args import EngineArgs
-from blockspec.demo_data.generator import read_jsonl
+from blockspec.gsm8k_data.generator import read_jsonl
 from blockspec.eval.answers import extract_answer, gold_answer, same_number
 from blockspec.flags import engine_flags
 
-DEFAULT_DATA = Path(__file__).resolve().parent.parent / "demo_data" / "gsm8k_demo_test.jsonl"
+DEFAULT_DATA = Path(__file__).resolve().parent.parent / "gsm8k_data" / "gsm8k_demo_test.jsonl"
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Training sequences from GSM8K-format rows: token ids in the chat format of the tokenizer, the
 index where the answer starts, and a length-bucketed, resumable batch order.
 
-Sequence layout (see ``blockspec.demo_data.tokenizer``): ``question "\\n" answer </s>``.  The
+Sequence layout (see ``blockspec.gsm8k_data.tokenizer``): ``question "\\n" answer </s>``.  The
 loss covers the newline, the answer and ``</s>``: the newline too, so that a raw question
 typed without the template is also answered.
 """

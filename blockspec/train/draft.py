@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from blockspec.demo_data.generator import generate_split, read_jsonl
+from blockspec.gsm8k_data.generator import generate_split, read_jsonl
 
 MAX_LEN = 256
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from blockspec.demo_data.generator import generate_split, read_jsonl
-from blockspec.demo_data.tokenizer import save_tokenizer, train_tokenizer, training_texts
+from blockspec.gsm8k_data.generator import generate_split, read_jsonl
+from blockspec.gsm8k_data.tokenizer import save_tokenizer, train_tokenizer, training_texts
 
 SIZES = {
     # every layer kind: Mamba-2 M, attention *, relu² MLP -, MoE E

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockspec.demo_data.templates import TEMPLATES, Draw, Reject
+from blockspec.gsm8k_data.templates import TEMPLATES, Draw, Reject
 
 TEST_PERCENT = 5          # share of the question space that belongs to the test split
 SPLITS = ("train", "test")
@@ -99,7 +99,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m blockspec.demo_data.generator",
+    ap = argparse.ArgumentParser(prog="python -m blockspec.gsm8k_data.generator",
                                  description="write GSM8K-format demo train/test jsonl files")
     ap.add_argument("--out", required=True, help="output folder (train.jsonl, test.jsonl)")
     ap.add_argument("--train", type=int, default=200_000, help="train problems")

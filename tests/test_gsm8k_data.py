@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from blockspec.demo_data.generator import (generate_split, is_test_question, iter_split,
+from blockspec.gsm8k_data.generator import (generate_split, is_test_question, iter_split,
                                            read_jsonl)
-from blockspec.demo_data.templates import MAX_LARGE_FACTOR, MAX_RESULT, MAX_SMALL_FACTOR, TEMPLATES
+from blockspec.gsm8k_data.templates import MAX_LARGE_FACTOR, MAX_RESULT, MAX_SMALL_FACTOR, TEMPLATES
 from blockspec.eval.gsm8k import DEFAULT_DATA
 
 ANNOT = re.compile(r"<<(\d+)([-+*/])(\d+)(?:\+(\d+))?=(\d+)>>(\d+)")
@@ -78,7 +78,7 @@ def test_read_jsonl_names_bad_rows(tmp_path):
 
 
 def test_tokenizer_splits_digits_and_has_chat_template(tmp_path, train):
-    from blockspec.demo_data.tokenizer import SPECIALS, save_tokenizer, train_tokenizer, training_texts
+    from blockspec.gsm8k_data.tokenizer import SPECIALS, save_tokenizer, train_tokenizer, training_texts
     from blockspec.tokenizer import Tokenizer
 
     tok = train_tokenizer(training_texts(p.to_json() for p in train[:500]))

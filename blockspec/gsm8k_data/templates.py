@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from blockspec.demo_data.vocab import (ANIMALS, CONTAINERS, DAYS, GOODS, GROUPS, ITEMS, PEOPLE,
+from blockspec.gsm8k_data.vocab import (ANIMALS, CONTAINERS, DAYS, GOODS, GROUPS, ITEMS, PEOPLE,
                                        PLACES)
 
 MAX_RESULT = 999
