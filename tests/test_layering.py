@@ -13,7 +13,7 @@ PKG = ROOT / "blockspec"
 
 # floor of each top-level module or package of blockspec (docs/architecture.md draws the same)
 FLOORS = {
-    0: ("configs", "cache", "kernels", "forward_metadata", "sampling", "checkpoint", "tokenizer",
+    0: ("configs", "cache", "kernels", "forward_metadata", "sampling", "grammar", "checkpoint", "tokenizer",
         "staged_dir", "progress", "args", "flags", "demo_data", "demo_family", "__init__"),
     1: ("layers", "attention", "quant"),
     2: ("models", "tiny_model"),
