@@ -157,9 +157,10 @@ class GrammarCompiler:
         """A fresh matcher for one request (its ``stop_token_ids`` also end the grammar)."""
         stops = sorted(set(self.stop_token_ids) | {t for t in extra_stop_ids or ()
                                                    if 0 <= t < self.vocab_size})
+        compiled = self.compile(kind, text)
         return Matcher(self._xgr.GrammarMatcher(
-            self.compile(kind, text), override_stop_tokens=stops or None,
-            terminate_without_stop_token=not stops), self.vocab_size)
+            compiled, override_stop_tokens=stops or None, terminate_without_stop_token=not stops),
+            self.vocab_size)
 
 
 class Matcher:
