@@ -4,7 +4,7 @@ refused before anything is queued."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from blockspec.sampling import SamplingParams, SamplingParamsError
@@ -148,6 +148,14 @@ def _sampling(req: _Sampling, max_new_tokens: int, grammar: dict[str, Any] | Non
     return params
 
 
+def _children(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The ``n`` choices of one prompt: with a seed, child i samples with ``seed + i`` (as vLLM
+    does), so the choices differ and each is reproducible on its own."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=(params.seed + i) % SEED_LIMIT) for i in range(n)]
+
+
 def _common(req: _Sampling, served: str) -> None:
     check_model(req.model, served)
     if not 1 <= req.n <= MAX_N:
@@ -173,7 +181,7 @@ def completion_inputs(req: CompletionRequest, engine: Any, served: str) -> Prepa
     for ids in prompts:
         mx = _max_tokens(req.max_tokens, len(ids), engine.context_length, "prompt", default=16)
         params = _sampling(req, mx, grammar)
-        items += [Item(ids, params) for _ in range(req.n)]
+        items += [Item(ids, p) for p in _children(params, req.n)]
     return Prepared(items, req.n, return_logprob=req.logprobs is not None)
 
 
@@ -236,7 +244,8 @@ def chat_inputs(req: ChatCompletionRequest, engine: Any, served: str) -> Prepare
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     mx = _max_tokens(wanted, len(ids), engine.context_length, "messages", default=None)
     params = _sampling(req, mx, _grammar(req, engine))
-    return Prepared([Item(ids, params) for _ in range(req.n)], req.n, return_logprob=req.logprobs)
+    return Prepared([Item(ids, p) for p in _children(params, req.n)], req.n,
+                    return_logprob=req.logprobs)
 
 
 def generate_inputs(req: GenerateRequest, engine: Any) -> tuple[bool, list[Item], list[str] | None]:
