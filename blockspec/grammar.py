@@ -42,11 +42,16 @@ def bitmask_words(vocab: int) -> int:
 
 def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """``logits`` [..., V] with every token the bitmask [..., W] disallows set to -inf (a new
-    tensor; allowed entries keep their exact values)."""
+    tensor; allowed entries keep their exact values).
+
+    The int32 words are read as bytes (little-endian: byte ``t // 8`` holds token ``t``'s bit
+    ``t % 8``), so unpacking is one broadcast AND with no gather over the vocabulary."""
     vocab = logits.shape[-1]
-    v = torch.arange(vocab, device=logits.device)
-    bits = (bitmask.to(logits.device)[..., v >> 5] >> (v & 31)) & 1
-    return logits.masked_fill(bits == 0, float("-inf"))
+    dev = logits.device
+    octets = bitmask.to(dev).contiguous().view(torch.uint8)                  # [..., 4W]
+    bit = torch.ones(8, dtype=torch.uint8, device=dev) << torch.arange(8, dtype=torch.uint8, device=dev)
+    allowed = ((octets[..., None] & bit) != 0).flatten(-2)[..., :vocab]     # [..., 32W] -> V
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _clean(err: Exception) -> str:
