@@ -267,7 +267,7 @@ class Engine:
 
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compile (or find cached) the request's structured-output grammar; ValueError naming
-        the field when it does not compile. Servers may call it off their event loop first."""
+        the field when it does not compile. The server calls it while validating a request."""
         constraint = params.constraint()
         if constraint is None:
             return
