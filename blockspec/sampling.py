@@ -18,6 +18,7 @@ Conventions shared by every tensor function below:
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
@@ -68,6 +69,12 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    # structured output (blockspec/grammar.py), at most one: a JSON schema (text or dict), any
+    # JSON object, a regular expression, or an EBNF grammar with a ``root`` rule
+    json_schema: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":
@@ -147,6 +154,38 @@ class SamplingParams:
                 raise bad(f"seed must be an int or None, got {type(self.seed).__name__}")
             if not 0 <= self.seed < _SEED_LIMIT:
                 raise bad(f"seed must be in [0, 2**64), got {self.seed}")
+        self.constraint()
+
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the structured-output constraint, or None: the key its compiled
+        grammar is cached under. The shape is checked here; whether it compiles is checked
+        against the tokenizer when the request is submitted."""
+        given = [k for k, v in (("json_schema", self.json_schema), ("regex", self.regex),
+                                ("ebnf", self.ebnf)) if v is not None]
+        if not isinstance(self.json_object, bool):
+            raise SamplingParamsError(f"json_object must be a bool, got {type(self.json_object).__name__}")
+        given += ["json_object"] if self.json_object else []
+        if len(given) > 1:
+            raise SamplingParamsError(f"give at most one of json_schema, json_object, regex, ebnf; "
+                                      f"got {', '.join(given)}")
+        if not given:
+            return None
+        kind = given[0]
+        if kind == "json_object":
+            return kind, ""
+        value = getattr(self, kind)
+        if kind == "json_schema" and isinstance(value, dict):
+            try:
+                value = json.dumps(value)     # key order kept: it is the properties' order
+            except (TypeError, ValueError) as e:
+                raise SamplingParamsError(f"json_schema: not JSON-serialisable: {e}") from None
+        if not isinstance(value, str):
+            raise SamplingParamsError(f"{kind} must be a string"
+                                      f"{' or a dict' if kind == 'json_schema' else ''}, "
+                                      f"got {type(value).__name__}")
+        if not value.strip():
+            raise SamplingParamsError(f"{kind} must not be empty")
+        return kind, value
 
     @property
     def is_greedy(self) -> bool:

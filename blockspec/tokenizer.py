@@ -32,6 +32,11 @@ class Tokenizer:
         return self._tok.token_to_id(token) if isinstance(token, str) else None
 
     @property
+    def backend(self) -> _HFTokenizer:
+        """The tokenizers-library object (vocabulary and decoder, for grammar compilation)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 

@@ -120,31 +120,43 @@ def quantize_draft_w4a16(folder: Path) -> Path:
     return folder
 
 
-def exact_two_token_joint(engine, prompt: list[int], params: dict) -> dict[tuple[int, int], float]:
-    """p(t1, t2) of target-only sampling, from the target's own logits (no speculation)."""
+def exact_two_token_joint(engine, prompt: list[int], params: dict,
+                          allowed: tuple[list[int], list[int]] | None = None,
+                          ) -> dict[tuple[int, int], float]:
+    """p(t1, t2) of target-only sampling, from the target's own logits (no speculation);
+    ``allowed`` = the tokens a grammar allows first and second (the others get -inf logits)."""
     from blockspec.sampling import SamplingParams, params_to_tensors, target_probs
 
+    def masked(logits: torch.Tensor, k: int) -> torch.Tensor:
+        if allowed is None:
+            return logits
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        keep[allowed[k]] = True
+        return logits.masked_fill(~keep, float("-inf"))
+
     tens = params_to_tensors([SamplingParams.from_dict(params)], torch.device("cpu"))
-    p1 = target_probs(engine.runner.score([prompt])[0][-1:], *tens)[0]
+    p1 = target_probs(masked(engine.runner.score([prompt])[0][-1:], 0), *tens)[0]
     support = p1.nonzero().flatten().tolist()
     joint = {}
     for t, logits in zip(support, engine.runner.score([prompt + [t] for t in support])):
-        p2 = target_probs(logits[-1:], *tens)[0]
+        p2 = target_probs(masked(logits[-1:], 1), *tens)[0]
         for u in p2.nonzero().flatten().tolist():
             joint[(t, u)] = float(p1[t] * p2[u])
     return joint
 
 
-def two_token_chi_square_pvalue(engine, outs: list[dict], prompt: list[int], params: dict) -> float:
-    """Chi-square p-value of the sampled (t1, t2) pairs against the exact target joint; cells
-    expected below 5 are pooled. Fails outright on a pair the target gives probability 0."""
+def two_token_chi_square_pvalue(engine, outs: list[dict], prompt: list[int], params: dict,
+                                allowed: tuple[list[int], list[int]] | None = None) -> float:
+    """Chi-square p-value of the sampled (t1, t2) pairs against the exact target joint (masked
+    to ``allowed`` when given); cells expected below 5 are pooled. Fails outright on a pair the
+    target gives probability 0."""
     from scipy.stats import chisquare
 
     n = len(outs)
     counts: dict[tuple[int, int], int] = {}
     for o in outs:
         counts[tuple(o["output_ids"])] = counts.get(tuple(o["output_ids"]), 0) + 1
-    joint = exact_two_token_joint(engine, prompt, params)
+    joint = exact_two_token_joint(engine, prompt, params, allowed)
     assert set(counts) <= set(joint), "sampled a pair the target gives probability 0"
     keys = sorted(joint, key=lambda k: -joint[k])
     big = [k for k in keys if joint[k] * n >= 5]

@@ -21,6 +21,7 @@ from blockspec.demo_family import demo_engine_kwargs
 from blockspec.engine.loop import EngineClosedError, EngineLoop, LoopStats, StreamOutput
 from blockspec.engine.request import Request
 from blockspec.engine.scheduler import Scheduler
+from blockspec.grammar import GrammarCompiler, Matcher
 from blockspec.kernels.triton_loader import triton_importable
 from blockspec.models.loader import load_target
 from blockspec.models.nemotron_h import NemotronHForCausalLM
@@ -128,6 +129,9 @@ class Engine:
         eos = list(config.eos_token_id)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
+        # structured output; xgrammar is loaded by the first constrained request
+        self._grammars = (GrammarCompiler(tokenizer.backend, config.vocab_size, eos)
+                          if tokenizer is not None else None)
         detok = tokenizer.decode if tokenizer else None
         self.scheduler = Scheduler(
             self.runner, self.memory, eos_token_ids=eos, chunked_prefill_size=args.chunked_prefill_size,
@@ -197,7 +201,7 @@ class Engine:
                  return_logprob: bool, stream: bool, rid: str | None) -> str:
         """Hand an already checked request to the loop."""
         req = Request(rid=rid if rid is not None else uuid.uuid4().hex, prompt_ids=list(input_ids),
-                      params=params, return_logprob=return_logprob)
+                      params=params, return_logprob=return_logprob, grammar=self._matcher(params))
         try:
             self._require_loop().submit(req, sink, stream=stream)
         except EngineClosedError as e:
@@ -250,11 +254,32 @@ class Engine:
         return self._loop
 
     def _fits(self, input_ids: list[int], params: SamplingParams) -> None:
-        """The request can ever be admitted (prompt + max_new_tokens + lookahead fit the cache)."""
+        """The request can ever be admitted (prompt + max_new_tokens + lookahead fit the cache)
+        and its grammar, if any, compiles."""
         try:
             self.scheduler.check(Request(rid="", prompt_ids=list(input_ids), params=params))
+            self.compile_grammar(params)
         except ValueError as e:
             raise GenerateError(str(e)) from None
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile (or find cached) the request's structured-output grammar; ValueError naming
+        the field when it does not compile. The server calls it while validating a request."""
+        constraint = params.constraint()
+        if constraint is None:
+            return
+        if self._grammars is None:
+            raise GenerateError(f"{constraint[0]}: structured output needs the model's tokenizer "
+                                f"(tokenizer.json), and this model has none")
+        self._grammars.compile(*constraint)
+
+    def _matcher(self, params: SamplingParams) -> Matcher | None:
+        """A fresh grammar matcher for a request that was checked by ``_fits``."""
+        constraint = params.constraint()
+        if constraint is None:
+            return None
+        self.compile_grammar(params)
+        return self._grammars.matcher(*constraint, extra_stop_ids=params.stop_token_ids)
 
     def _drain(self, rids: list[str], outputs: queue.SimpleQueue) -> Iterator[StreamOutput]:
         """Outputs of ``rids`` until each has finished; an engine failure raises here. Leaving

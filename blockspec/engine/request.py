@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from blockspec.cache import Reservation
+from blockspec.grammar import Matcher
 from blockspec.sampling import SamplingParams
 
 
@@ -15,6 +16,7 @@ class Request:
     params: SamplingParams
     return_logprob: bool = False
     seed: int = 0                         # int64 sampling seed (its own or from random_seed)
+    grammar: Matcher | None = None        # structured output: advanced by every committed token
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[tuple[float, int]] = field(default_factory=list)
     cache: Reservation = field(default_factory=Reservation)

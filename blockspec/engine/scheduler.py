@@ -10,6 +10,8 @@ current one back, so appending tokens, stop checks and the loop's outputs run wh
 works. A request that finishes is therefore computed one step too far; that step's rows for
 it are dropped (its reservation covers the extra positions, ``STEPS_IN_FLIGHT``), and a changed
 batch (a finish, an admission, an abort) waits for the step in flight before it is filled anew.
+A batch with a grammar-constrained request is never launched ahead: its next masks follow
+from the tokens this step commits, which only the host's matchers know.
 """
 from __future__ import annotations
 
@@ -144,7 +146,8 @@ class Scheduler:
             min_p=[float(r.params.min_p) for r in reqs], seeds=[r.seed for r in reqs],
             sample_counters=[len(r.output_ids) for r in reqs],
             verify_counters=[r.spec_verify_ct for r in reqs],
-            want_logprobs=any(r.return_logprob for r in reqs))
+            want_logprobs=any(r.return_logprob for r in reqs),
+            grammars=[r.grammar for r in reqs] if any(r.grammar is not None for r in reqs) else None)
 
     def _launch(self, reqs: list[Request] | None, prev: Launched | None = None) -> Launched:
         """A step for ``reqs`` filled from their host state, or (None) the step after ``prev``
@@ -166,6 +169,8 @@ class Scheduler:
         if cur is None:
             cur = self._launch(reqs)
         same = len(cur.tag) == len(reqs) and all(a is b for a, b in zip(cur.tag, reqs))
+        # a grammar's next mask needs this step's tokens on the host: no step ahead
+        same = same and not any(r.grammar is not None for r in reqs)
         self._inflight = self._launch(None, cur) if same else None
         with record_function("decode.readback"):
             if self.drafter is None:

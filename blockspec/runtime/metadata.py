@@ -22,6 +22,7 @@ import torch
 from blockspec.attention.base import AttentionBackend
 from blockspec.cache import KVPool, MambaStatePool
 from blockspec.forward_metadata import ForwardMetadata, Mode, flat_slots
+from blockspec.grammar import Matcher
 
 
 # (buffer field, StepBatch attribute); the order is the buffer's row order
@@ -45,6 +46,7 @@ class StepBatch:
     sample_counters: list[int]        # output tokens so far (AR sampling stream)
     verify_counters: list[int]        # verify steps so far (speculative streams)
     want_logprobs: bool = False
+    grammars: list[Matcher | None] | None = None    # per row; None when no row is constrained
 
     @property
     def size(self) -> int:
@@ -60,9 +62,14 @@ class StepBatch:
         return any(t > 0 and (k > 0 or p < 1 or m > 0)
                    for t, k, p, m in zip(self.temperature, self.top_k, self.top_p, self.min_p))
 
-    def sampling_key(self) -> tuple[bool, bool, bool]:
+    @property
+    def constrained(self) -> bool:
+        """Some row has a grammar: its logits are masked by host-computed bitmasks."""
+        return self.grammars is not None and any(g is not None for g in self.grammars)
+
+    def sampling_key(self) -> tuple[bool, bool, bool, bool]:
         """What decides which sampling code a step runs (one captured graph each)."""
-        return self.greedy_only, self.filters, self.want_logprobs
+        return self.greedy_only, self.filters, self.want_logprobs, self.constrained
 
 
 class StepInputs:
@@ -87,6 +94,35 @@ class StepInputs:
         self.dev = self._views(self._dev)
         self.fill_dummy(0, max_bs)
         self.upload()
+        # grammar bitmasks [max_bs, width, words], made by the first constrained batch
+        self.mask_host: torch.Tensor | None = None
+        self.mask_dev: torch.Tensor | None = None
+
+    def reserve_masks(self, width: int, words: int) -> None:
+        """Allocate the bitmask buffers once (a captured graph keeps reading the same device
+        buffer): ``width`` rows per request, the widest step's verify positions."""
+        if self.mask_host is None:
+            pin = self.device.type == "cuda"
+            self.mask_host = torch.full((self.max_bs, width, words), -1, dtype=torch.int32,
+                                        pin_memory=pin)
+            self.mask_dev = (torch.full_like(self.mask_host, -1, device=self.device) if pin
+                             else self.mask_host)
+
+    def fill_masks(self, grammars: list[Matcher | None], drafts: list[list[int]] | None = None,
+                   rows: int = 1, padded: int = 0) -> None:
+        """Bitmask rows of every request from its matcher (all allowed without one): the next
+        token's mask, or with ``drafts`` one row per verify position; dummy rows up to
+        ``padded`` allow everything. Uploaded with one non-blocking copy."""
+        host = self.mask_host
+        for b, g in enumerate(grammars):
+            if g is None:
+                host[b, :rows] = -1
+            else:
+                g.fill(host[b, :rows], drafts[b] if drafts is not None else ())
+        n = max(len(grammars), padded)
+        host[len(grammars):n, :rows] = -1
+        if self.mask_dev is not self.mask_host:
+            self.mask_dev[:n, :rows].copy_(host[:n, :rows], non_blocking=True)
 
     def _blocks(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffer as an int64 [fields, max_bs] block followed by a float32 one."""
@@ -121,6 +157,8 @@ class StepInputs:
         if padded > n:
             self.fill_dummy(n, padded)
         self.upload()
+        if batch.constrained:
+            self.fill_masks(batch.grammars, padded=padded)
 
     def upload(self) -> None:
         if self._dev is not self._host:
@@ -128,7 +166,10 @@ class StepInputs:
 
     def view(self, bs: int) -> dict[str, torch.Tensor]:
         """Device views of the first ``bs`` rows (what a captured step reads)."""
-        return {name: t[:bs] for name, t in self.dev.items()}
+        out = {name: t[:bs] for name, t in self.dev.items()}
+        if self.mask_dev is not None:
+            out["bitmask"] = self.mask_dev[:bs]
+        return out
 
 
 def uniform_metadata(inp: dict[str, torch.Tensor], q_len: int, mode: Mode, input_ids: torch.Tensor,

@@ -24,6 +24,7 @@ from blockspec.args import ResolvedBackends
 from blockspec.attention import create_backend
 from blockspec.cache import MemoryManager
 from blockspec.forward_metadata import Mode
+from blockspec.grammar import bitmask_words, mask_logits
 from blockspec.layers.moe import MoE
 from blockspec.models.nemotron_h import ModelOutput, NemotronHForCausalLM
 from blockspec.runtime.graph_runner import GraphRunner
@@ -95,15 +96,24 @@ class ModelRunner:
     def sample_rows(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Sample one token per row of ``logits`` (prefill's first tokens), through the same
         inputs and sampler as a decode step. Returns [B, 2] float64 (token, logprob)."""
+        self._reserve_masks(batch)
         self.inputs.fill(batch, batch.size)
         return self._pick(logits, self.inputs.view(batch.size), batch.sampling_key())
 
+    def _reserve_masks(self, batch: StepBatch) -> None:
+        """The grammar bitmask buffers, the first time a batch has a constrained row."""
+        if batch.constrained:
+            self.inputs.reserve_masks(self.memory.step_width, bitmask_words(self.cfg.vocab_size))
+
     @staticmethod
     def _pick(logits: torch.Tensor, inp: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
-        """Next token per row and its raw logprob, [B, 2] float64 (the one AR sampling path)."""
-        greedy_only, filters, want_lp = key
+        """Next token per row and its raw logprob, [B, 2] float64 (the one AR sampling path).
+        Constrained batches sample from the logits their bitmasks allow; the logprob stays the
+        model's own."""
+        greedy_only, filters, want_lp, constrained = key
+        scored = mask_logits(logits, inp["bitmask"][:, 0]) if constrained else logits
         u = None if greedy_only else uniforms(inp["seed"], inp["sample_ctr"], Stream.SAMPLE, 1)[:, 0]
-        tok = sample(logits, inp["temperature"], inp["top_k"], inp["top_p"], inp["min_p"], u,
+        tok = sample(scored, inp["temperature"], inp["top_k"], inp["top_p"], inp["min_p"], u,
                      greedy_only=greedy_only, filters=filters)
         lp = logprobs_of(logits, tok) if want_lp else torch.zeros_like(logits[:, 0])
         return torch.stack([tok.double(), lp.double()], 1)
@@ -154,18 +164,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_step(self, batch: StepBatch | None, fn: StepFn, kind: str, width: int,
-                    prev: Launched | None = None) -> Launched:
+                    prev: Launched | None = None, eager: bool = False) -> Launched:
         """Launch one step without waiting for it. With ``batch``: fill the static inputs from
         it (one upload; nothing may be in flight, so ``collect`` every earlier step first).
         With None: the step after ``prev`` for the same requests, from the inputs ``prev``
         advanced on the device. Replays the captured graph of (kind, sampling mode, padded
         size), else runs ``fn`` eagerly; the outputs are copied to a host buffer behind it.
-        ``width`` = positions the step writes past the committed length."""
+        ``width`` = positions the step writes past the committed length; ``eager`` runs ``fn``
+        without a graph (a step that reads the host in its middle). A constrained batch's
+        masks come from its matchers' host state, so its step is always launched fresh."""
         if batch is not None:
             bs, key = batch.size, batch.sampling_key()
+            self._reserve_masks(batch)
         else:
             bs, key, fn, kind, width = prev.bs, prev.key, prev.fn, prev.kind, prev.width
-        padded = self.graphs.padded_size(bs) if self.graphs is not None else None
+            if key[3]:
+                raise RuntimeError("a constrained step cannot continue from the device inputs")
+        padded = self.graphs.padded_size(bs) if self.graphs is not None and not eager else None
         if padded is None:
             if batch is not None:
                 self.host_max_seq_len = max(batch.prefix_lens) + width

@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
@@ -19,6 +19,22 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema``; the schema is always enforced by the grammar
+    (``strict`` or not), properties it does not name are generated only where it allows them."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(_Body):
@@ -43,6 +59,9 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     rid: str | None = None                      # request id (sglang); abort it by this id
+    response_format: ResponseFormat | None = None   # structured output (text: no constraint)
+    regex: str | None = None                    # sglang's constraints, one at a time
+    ebnf: str | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -4,7 +4,7 @@ refused before anything is queued."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from blockspec.sampling import SamplingParams, SamplingParamsError
@@ -90,7 +90,38 @@ def _max_tokens(value: int | None, prompt_len: int, context: int, prompt_param: 
     return value
 
 
-def _sampling(req: _Sampling, max_new_tokens: int) -> SamplingParams:
+def _grammar(req: _Sampling, engine: Any) -> dict[str, Any]:
+    """``response_format`` / ``regex`` / ``ebnf`` -> SamplingParams' constraint fields, compiled
+    now (cached by the engine), so a bad schema is a 400 naming its field before anything is
+    queued."""
+    fields: dict[str, Any] = {}
+    param = None
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "json_schema" and fmt.json_schema is not None:
+        raise _bad(f"response_format.json_schema is only for type json_schema, not {fmt.type}",
+                   "response_format.json_schema")
+    if fmt is not None and fmt.type == "json_object":
+        fields, param = {"json_object": True}, "response_format"
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise _bad("response_format of type json_schema needs json_schema.schema",
+                       "response_format.json_schema.schema")
+        fields, param = {"json_schema": fmt.json_schema.schema_}, "response_format.json_schema.schema"
+    for name in ("regex", "ebnf"):
+        if getattr(req, name) is not None:
+            if param is not None:
+                raise _bad(f"give one of response_format, regex and ebnf, not "
+                           f"{param.split('.')[0]} and {name}", name)
+            fields, param = {name: getattr(req, name)}, name
+    if fields:
+        try:
+            engine.compile_grammar(SamplingParams(**fields))
+        except ValueError as e:
+            raise _bad(str(e), param) from None
+    return fields
+
+
+def _sampling(req: _Sampling, max_new_tokens: int, grammar: dict[str, Any] | None = None) -> SamplingParams:
     if req.presence_penalty or req.frequency_penalty:
         raise _bad("presence_penalty and frequency_penalty are not supported (only 0)",
                    "presence_penalty" if req.presence_penalty else "frequency_penalty")
@@ -109,12 +140,20 @@ def _sampling(req: _Sampling, max_new_tokens: int) -> SamplingParams:
         top_k=req.top_k if req.top_k is not None else -1,
         min_p=_number("min_p", req.min_p, 0.0, 0.0, 1.0),
         stop=_stops(req.stop), stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-        seed=req.seed)
+        seed=req.seed, **(grammar or {}))
     try:
         params.validate()
     except SamplingParamsError as e:       # a backstop: the checks above should catch it first
         raise _bad(str(e)) from None
     return params
+
+
+def _children(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The ``n`` choices of one prompt: with a seed, child i samples with ``seed + i`` (as vLLM
+    does), so the choices differ and each is reproducible on its own."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=(params.seed + i) % SEED_LIMIT) for i in range(n)]
 
 
 def _common(req: _Sampling, served: str) -> None:
@@ -137,11 +176,12 @@ def completion_inputs(req: CompletionRequest, engine: Any, served: str) -> Prepa
         raise _bad("logprobs must be 0 (the chosen tokens' logprobs): top alternatives are "
                    f"not supported, got {req.logprobs}", "logprobs")
     prompts = _prompts(req.prompt, engine)
+    grammar = _grammar(req, engine)
     items = []
     for ids in prompts:
         mx = _max_tokens(req.max_tokens, len(ids), engine.context_length, "prompt", default=16)
-        params = _sampling(req, mx)
-        items += [Item(ids, params) for _ in range(req.n)]
+        params = _sampling(req, mx, grammar)
+        items += [Item(ids, p) for p in _children(params, req.n)]
     return Prepared(items, req.n, return_logprob=req.logprobs is not None)
 
 
@@ -203,8 +243,9 @@ def chat_inputs(req: ChatCompletionRequest, engine: Any, served: str) -> Prepare
     ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     mx = _max_tokens(wanted, len(ids), engine.context_length, "messages", default=None)
-    params = _sampling(req, mx)
-    return Prepared([Item(ids, params) for _ in range(req.n)], req.n, return_logprob=req.logprobs)
+    params = _sampling(req, mx, _grammar(req, engine))
+    return Prepared([Item(ids, p) for p in _children(params, req.n)], req.n,
+                    return_logprob=req.logprobs)
 
 
 def generate_inputs(req: GenerateRequest, engine: Any) -> tuple[bool, list[Item], list[str] | None]:

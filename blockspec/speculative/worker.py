@@ -19,6 +19,7 @@ from blockspec.args import EngineArgs
 from blockspec.attention import create_backend
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.forward_metadata import Mode
+from blockspec.grammar import mask_logits
 from blockspec.runtime.metadata import StepBatch, same_rows, uniform_metadata
 from blockspec.runtime.model_runner import Launched, ModelRunner
 from blockspec.sampling import Stream, logprobs_of, uniforms
@@ -62,7 +63,14 @@ class SpecWorker:
     # ---- one step --------------------------------------------------------------------------
     def launch(self, batch: StepBatch | None, prev: Launched | None = None) -> Launched:
         """Launch a speculative step for ``batch``, or (None) the next one of ``prev``'s
-        requests from the inputs it advanced on the device (``ModelRunner.launch_step``)."""
+        requests from the inputs it advanced on the device (``ModelRunner.launch_step``).
+        A constrained batch runs eagerly: its verify masks follow the drafts through each
+        request's grammar on the host (``constrained_step``)."""
+        if batch is not None and batch.constrained:
+            grammars = batch.grammars
+            return self.runner.launch_step(
+                batch, lambda inp, key: self.constrained_step(inp, key, grammars), "spec",
+                self.width, eager=True)
         return self.runner.launch_step(batch, self.step_fn, "spec", self.width, prev)
 
     def results(self, step: Launched) -> list[tuple[int, list[int], list[float]]]:
@@ -77,16 +85,32 @@ class SpecWorker:
     def step_fn(self, inp: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
         """Draft -> verify -> accept -> commit for every row, device ops only.
         Returns [B, 1 + 2T] float64: accepted drafts, committed tokens (padded), logprobs."""
-        greedy_only, filters, want_lp = key
-        draft, target, m = self.draft, self.target, self.memory
-        B, T, Q = inp["slot"].shape[0], self.width, self.query_len
-        anchor, slots = inp["token"], inp["slot"]
-        max_seq = self.runner.host_max_seq_len
+        proposal = self._propose(inp, key)
+        return self._finish(inp, key, proposal, self._verify_forward(inp, proposal))
 
+    def constrained_step(self, inp: dict[str, torch.Tensor], key: tuple, grammars: list) -> torch.Tensor:
+        """``step_fn`` with grammar masks: the drafts are read back, the verify forward is
+        launched, and while it runs the host walks each constrained row's drafts through its
+        matcher, one bitmask row per verify position (rolled back after); acceptance then
+        judges every position by its masked logits, so a draft the grammar forbids is
+        rejected and the bonus obeys the grammar."""
+        proposal = self._propose(inp, key)
+        drafts = proposal[0].tolist()
+        out = self._verify_forward(inp, proposal)
+        self.runner.inputs.fill_masks(grammars, drafts, rows=self.width)
+        return self._finish(inp, key, proposal, out, inp["bitmask"][:, :self.width])
+
+    def _propose(self, inp: dict[str, torch.Tensor], key: tuple) -> tuple:
+        """The draft block: (drafts [B, γ], their distributions or None, the draft metadata,
+        the simulation draw or None)."""
+        greedy_only = key[0]
+        draft, target, m = self.draft, self.target, self.memory
+        B, Q = inp["slot"].shape[0], self.query_len
+        anchor = inp["token"]
         ids, _ = draft.block_inputs(anchor, inp["prefix"])                           # [B, Q]
         x = draft.embed_block(ids, target.backbone.embeddings).reshape(B * Q, -1)
         dmeta = uniform_metadata(inp, Q, Mode.DRAFT, ids, m.block_table, m.page_size, self.attn,
-                                 self.pool, max_seq_len=max_seq)
+                                 self.pool, max_seq_len=self.runner.host_max_seq_len)
         h = draft.select_draft_hidden(draft.forward_paged(x, dmeta).view(B, Q, -1))  # [B, γ, H]
         base = self.draft_logits(h)                                                  # [B, γ, V]
         if self.is_dspark:
@@ -99,32 +123,48 @@ class SpecWorker:
         if self.simulate_accept_length is not None:   # benchmark mode: one draw per step
             u_sim = uniforms(inp["seed"], inp["verify_ctr"], Stream.SIMULATE, 1 + self.gamma)
             drafts = self._simulated_proposals(u_sim[:, 1:], base.shape[-1])
+        return drafts, q, dmeta, u_sim
 
-        cand = torch.cat([anchor[:, None], drafts], dim=1)
-        if Q == T:      # the verify reads the draft block's own positions
+    def _verify_forward(self, inp: dict[str, torch.Tensor], proposal: tuple):
+        """The target forward over [anchor, drafts] (T rows per request)."""
+        drafts, _, dmeta, _ = proposal
+        m, T = self.memory, self.width
+        cand = torch.cat([inp["token"][:, None], drafts], dim=1)
+        if self.query_len == T:      # the verify reads the draft block's own positions
             vmeta = same_rows(dmeta, Mode.VERIFY, cand, self.runner.decode_attn, m.kv, m.mamba,
                               self.runner.capture_layers)
         else:
             vmeta = uniform_metadata(inp, T, Mode.VERIFY, cand, m.block_table, m.page_size,
                                      self.runner.decode_attn, m.kv, m.mamba,
-                                     capture_layers=self.runner.capture_layers, max_seq_len=max_seq)
-        out = target(vmeta)
-        logits = out.logits.view(B, T, -1)
+                                     capture_layers=self.runner.capture_layers,
+                                     max_seq_len=self.runner.host_max_seq_len)
+        return self.target(vmeta), vmeta
 
+    def _finish(self, inp: dict[str, torch.Tensor], key: tuple, proposal: tuple, verified: tuple,
+                bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """Accept (on the logits ``bitmask`` allows, when given) -> commit -> advance; the
+        logprobs stay the target's own."""
+        greedy_only, filters, want_lp, _ = key
+        drafts, q, _, u_sim = proposal
+        out, vmeta = verified
+        m, T = self.memory, self.width
+        B = drafts.shape[0]
+        logits = out.logits.view(B, T, -1)
+        scored = logits if bitmask is None else mask_logits(logits, bitmask)
         if u_sim is not None:
-            acc, bonus = self._simulated(u_sim[:, 0], logits)
+            acc, bonus = self._simulated(u_sim[:, 0], scored)
         else:
             u = None
             if not greedy_only:
                 u = torch.cat([uniforms(inp["seed"], inp["verify_ctr"], Stream.COIN, self.gamma),
                                uniforms(inp["seed"], inp["verify_ctr"], Stream.BONUS, 1)], dim=1)
-            acc, bonus = verify_block(drafts, logits, q, inp["temperature"], inp["top_k"],
+            acc, bonus = verify_block(drafts, scored, q, inp["temperature"], inp["top_k"],
                                       inp["top_p"], inp["min_p"], u, greedy_only=greedy_only,
                                       filters=filters)
 
         if m.mamba is not None:
-            m.mamba.commit_verify(slots, acc)
-        draft.write_context(out.aux_hidden, vmeta.positions, vmeta.out_slots, self.pool)
+            m.mamba.commit_verify(inp["slot"], acc)
+        self.draft.write_context(out.aux_hidden, vmeta.positions, vmeta.out_slots, self.pool)
         toks = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, acc[:, None], bonus[:, None])
         self.runner.advance_inputs(inp, bonus, acc + 1, verified=True)
         if want_lp:
