@@ -114,14 +114,15 @@ class EngineClient:
         try:
             for rid, item in zip(rids, items):
                 self.engine.submit(item.prompt_ids, item.params, sink_for(RequestTimer()),
-                                   return_logprob=return_logprob, stream=stream, rid=rid)
+                                   return_logprob=return_logprob, stream=stream, rid=rid,
+                                   group=group)
                 done.append(rid)
         except (GenerateError, ValueError, EngineClosedError) as e:
             for rid in done:
                 self.engine.abort(rid)
             if isinstance(e, EngineClosedError):
                 raise APIError(503, "the engine is shut down", code="engine_dead") from None
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         self.groups[base_id] = group
         return group
 
