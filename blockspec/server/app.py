@@ -121,6 +121,10 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         """stream_options.include_usage: one last chunk with no choices and the usage."""
         return lambda choices: [{**base, "choices": [], "usage": usage_of(choices, n)}] if wanted else []
 
+    def stopped() -> str:
+        return (f"the server is {client.closing or 'shutting down'}; this request was stopped "
+                "before it finished")
+
     # ---- shared streaming / collecting ------------------------------------------------------------
     async def collect(group: Group, request: Request) -> list[Choice]:
         choices = [Choice() for _ in group.rids]
@@ -131,7 +135,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                     raise failure
                 choices[i].add(out)
         except ServerShuttingDown:
-            raise APIError(503, "the server is shutting down", code="shutting_down") from None
+            raise APIError(503, stopped(), code="shutting_down") from None
         except ClientGone:
             raise APIError(499, "the client disconnected") from None
         finally:
@@ -160,8 +164,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                 yield sse(chunk)
             yield DONE
         except ServerShuttingDown:
-            yield sse(error_body(503, "the server is shutting down; the request was stopped",
-                                 code="shutting_down"))
+            yield sse(error_body(503, stopped(), code="shutting_down"))
             yield DONE
         except Exception as e:      # noqa: BLE001 - a stream under way can only end with an event
             log.exception("a stream failed")
@@ -296,9 +299,9 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     # ---- operations ---------------------------------------------------------------------------------
     @app.get("/health", responses={**ANY_ROUTE, **_errors(503)})
     async def health() -> Response:
-        if client.closing is not None or not engine.stats().alive:
-            return error_response(503, "the server is shutting down" if client.closing
-                                  else "the engine loop is not running")
+        if client.closing is not None or client.draining or not engine.stats().alive:
+            return error_response(503, "the engine loop is not running"
+                                  if not engine.stats().alive else "the server is shutting down")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={

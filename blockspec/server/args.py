@@ -28,9 +28,9 @@ class ServerArgs:
     max_prompts_per_request: int = _arg(256, "most sequences (prompts x n) one request may ask "
                                              "for; more get 400. Admission shares the engine "
                                              "out between requests round-robin either way")
-    graceful_shutdown_timeout: float = _arg(10.0, "seconds responses get to finish after "
-                                                  "SIGINT/SIGTERM (streams end at once with an "
-                                                  "error event)")
+    graceful_shutdown_timeout: float = _arg(10.0, "after SIGINT/SIGTERM: seconds the running "
+                                                  "and queued requests get to finish (new ones "
+                                                  "get 503); then the rest end with an error")
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
