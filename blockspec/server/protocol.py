@@ -22,9 +22,12 @@ TEXT_ERROR = "text_not_utf8"          # the pydantic error type errors.py answer
 
 
 def _path(parts: list[str | int]) -> str:
-    """['messages', 1, 'content'] -> 'messages[1].content'."""
+    """['messages', 1, 'content'] -> 'messages[1].content'; a key that is not UTF-8 itself is
+    written with backslash escapes (the path goes into an error message)."""
     out = ""
     for part in parts:
+        if isinstance(part, str):
+            part = part.encode("utf-8", "backslashreplace").decode("utf-8")
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
