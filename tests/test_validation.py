@@ -255,3 +255,32 @@ def test_a_500_keeps_the_keep_alive_connection_and_every_error_is_openai_shaped(
     finally:
         server.stop()
         e.shutdown()
+
+
+def test_openapi_says_what_the_server_accepts_and_answers(served, engine):
+    schema = httpx.get(served + "/openapi.json", timeout=30).json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/abort_request"):
+        responses = schema["paths"][path]["post"]["responses"]
+        for status in ("400", "401", "404", "413", "422", "429", "500", "503"):
+            ref = responses[status]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.endswith("/ErrorResponse"), (path, status)
+    assert "text/event-stream" in schema["paths"]["/v1/completions"]["post"]["responses"]["200"][
+        "content"]
+    metrics = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"]
+    got = httpx.get(served + "/metrics", timeout=30).headers["content-type"]
+    assert got.split(";")[0] == "text/plain"
+    body = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    ints = [s for s in body["top_k"]["anyOf"] if s.get("type") == "integer"]
+    assert ints[0]["minimum"] == -1 and ints[0]["maximum"] == 2**31 - 1
+    assert body["top_k"]["not"] == {"const": 0}
+    ids = body["prompt"]["anyOf"][2]["items"]
+    assert ids["minimum"] == 0 and ids["maximum"] == engine.config.vocab_size - 1
+    max_tokens = [s for s in body["max_tokens"]["anyOf"] if s.get("type") == "integer"][0]
+    assert max_tokens["minimum"] == 1 and max_tokens["maximum"] == engine.context_length - 1
+    seed = [s for s in body["seed"]["anyOf"] if s.get("type") == "integer"][0]
+    assert seed["minimum"] == 0 and seed["exclusiveMaximum"] == 2**64
+    # 5.0 is an integer to JSON Schema, so the server takes it
+    r = httpx.post(served + "/v1/completions", timeout=60, json={
+        "prompt": [5.0, 6], "max_tokens": 2.0, "top_k": 3.0, "seed": 4.0, "temperature": 0.5})
+    assert r.status_code == 200, r.text

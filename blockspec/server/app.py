@@ -5,6 +5,7 @@ they never touch tensors."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -48,7 +49,9 @@ ANY_ROUTE = _errors(401, 413, 500)
 POSTED = {**ANY_ROUTE, **_errors(400, 404, 422, 429, 503)}
 STREAMED = {**POSTED, 200: {"description": "JSON, or with stream=true server-sent events "
                                            "ending in 'data: [DONE]'",
-                            "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                            "content": {"text/event-stream": {"schema": {
+                                "type": "object", "required": ["data"],
+                                "properties": {"data": {"type": "string"}}}}}}}
 
 
 @dataclass
@@ -93,6 +96,18 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         client.begin_shutdown()          # other ASGI servers: end open streams at shutdown
 
     app = FastAPI(title="blockspec", version=_version(), lifespan=lifespan)
+    generated = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's schema with this model's bounds: token ids below the vocabulary size,
+        max_tokens below the context."""
+        if app.openapi_schema is None:
+            schema = copy.deepcopy(generated())     # shares dicts with the models' extras
+            _model_bounds(schema, engine.config.vocab_size, engine.context_length)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.state.client = client
     app.state.metrics = metrics
     errors.install(app, MODELS)
@@ -311,6 +326,26 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         return Response(metrics.render(engine.stats()), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _model_bounds(schema: dict, vocab: int, context: int) -> None:
+    """Put the served model's vocabulary and context into the request schemas, in place."""
+    def walk(node: Any, field: str | None) -> None:
+        if isinstance(node, dict):
+            if (field in ("prompt", "input_ids", "stop_token_ids")
+                    and node.get("type") == "integer" and "minimum" in node):
+                node["maximum"] = vocab - 1
+            if field in ("max_tokens", "max_completion_tokens") and node.get("type") == "integer":
+                node["maximum"] = context - 1
+            for key, value in node.items():
+                walk(value, key if key not in ("anyOf", "items", "not") else field)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value, field)
+
+    for body in schema.get("components", {}).get("schemas", {}).values():
+        for name, prop in body.get("properties", {}).items():
+            walk(prop, name)
 
 
 def _version() -> str:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import get_args
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from blockspec.server.protocol import TEXT_ERROR
 
 log = logging.getLogger("blockspec")
 
@@ -104,14 +107,25 @@ def _field_range(loc: tuple, models: tuple[type, ...]) -> str | None:
             continue
         if info.description:
             return info.description
-        found = {}
-        for m in info.metadata:
-            for key in ("ge", "gt", "le", "lt"):
-                if getattr(m, key, None) is not None:
-                    found[key] = getattr(m, key)
+        found: dict = {}
+        _collect_bounds([*info.metadata, info.annotation], found)
         if found:
             return _interval(found)
     return None
+
+
+def _collect_bounds(items: list, found: dict) -> None:
+    """ge/gt/le/lt of constraint objects, also inside Annotated and unions (``X | None``)."""
+    for m in items:
+        for key in ("ge", "gt", "le", "lt"):
+            if isinstance(getattr(m, key, None), (int, float)):
+                found.setdefault(key, getattr(m, key))
+        if hasattr(m, "metadata") and isinstance(m.metadata, list):
+            _collect_bounds(m.metadata, found)          # a FieldInfo inside Annotated
+        if hasattr(m, "__metadata__"):
+            _collect_bounds(list(m.__metadata__), found)
+        elif get_args(m) and not isinstance(m, type):
+            _collect_bounds([a for a in get_args(m) if a is not type(None)], found)
 
 
 def validation_message(errors: list[dict], models: tuple[type, ...] = ()
@@ -119,8 +133,6 @@ def validation_message(errors: list[dict], models: tuple[type, ...] = ()
     """(status, message, param) for pydantic / FastAPI request validation errors: 400 for a
     body that is not JSON, text that is not UTF-8 or a value out of its range; 422 for a
     wrong shape (type, unknown field, missing field)."""
-    from blockspec.server.protocol import TEXT_ERROR
-
     if any(e.get("type") == "json_invalid" for e in errors):
         e = next(e for e in errors if e.get("type") == "json_invalid")
         detail = (e.get("ctx") or {}).get("error", "")

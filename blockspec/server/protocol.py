@@ -12,7 +12,7 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from blockspec.sampling import FLOAT32_MAX, SEED_LIMIT, TOP_K_MAX, not_utf8
@@ -83,7 +83,16 @@ PROMPT_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEX
 STOP_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT}, {"type": "null"}]}
 ONLY_ZERO = {"anyOf": [{"type": "number", "minimum": 0, "maximum": 0}, {"type": "null"}]}
 
-Token = Annotated[int, Field(ge=0)]
+def integral(value: Any) -> Any:
+    """JSON Schema counts 5.0 as an integer, so the server takes it as 5 (any other float
+    stays a type error)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(integral)]     # constraints go before the validator,
+                                                    # else the schema shows "ge" for "minimum"
+Token = Annotated[int, Field(ge=0), BeforeValidator(integral)]
+AtLeastOne = Annotated[int, Field(ge=1), BeforeValidator(integral)]
 
 
 class _Sampling(_Body):
@@ -91,19 +100,18 @@ class _Sampling(_Body):
     ``stop_token_ids`` are sglang's extensions (send them with the client's ``extra_body``)."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: AtLeastOne | None = None
     temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX,
                                       description=">= 0 (0 = greedy) and at most 3.4e38")
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=TOP_K_MAX,
-                              description="-1 (off) or in [1, 2**31 - 1]",
-                              json_schema_extra={"not": {"const": 0}})
+    top_k: Annotated[int, Field(ge=-1, le=TOP_K_MAX), BeforeValidator(integral)] | None = Field(
+        None, description="-1 (off) or in [1, 2**31 - 1]", json_schema_extra={"not": {"const": 0}})
     min_p: float | None = Field(None, ge=0, le=1)
     stop: Any = Field(None, json_schema_extra=STOP_SCHEMA)       # str | list[str]
     stop_token_ids: list[Token] | None = None
     ignore_eos: bool = False
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
-    n: int = Field(1, ge=1, le=MAX_N)
+    seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT), BeforeValidator(integral)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(integral)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     # accepted when 0 (penalties are not implemented)
@@ -116,10 +124,10 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: Any = Field(json_schema_extra=PROMPT_SCHEMA)
-    logprobs: int | None = Field(None, json_schema_extra={"anyOf": [{"const": 0}, {"type": "null"}]})
+    logprobs: Int | None = Field(None, json_schema_extra={"anyOf": [{"const": 0}, {"type": "null"}]})
     echo: bool = Field(False, json_schema_extra={"const": False})
     suffix: str | None = Field(None, json_schema_extra={"anyOf": [{"const": ""}, {"type": "null"}]})
-    best_of: int | None = None
+    best_of: Int | None = None
 
 
 class TextPart(_Body):
@@ -135,9 +143,9 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: AtLeastOne | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, json_schema_extra={"anyOf": [{"const": 0},
+    top_logprobs: Int | None = Field(None, json_schema_extra={"anyOf": [{"const": 0},
                                                                          {"type": "null"}]})
 
 
@@ -145,7 +153,7 @@ class GenerateRequest(_Body):
     """sglang's native /generate: text or input_ids (one or a batch) + sampling_params."""
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = Field(None, json_schema_extra={
+    input_ids: list[Int] | list[list[Int]] | None = Field(None, json_schema_extra={
         "anyOf": [_IDS, {"type": "array", "minItems": 1, "items": _IDS}, {"type": "null"}]})
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
@@ -154,6 +162,10 @@ class GenerateRequest(_Body):
 
 
 class AbortRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["rid"], "properties": {"rid": {"type": "string"}}},
+        {"required": ["abort_all"], "properties": {"abort_all": {"const": True}}}]})
+
     rid: str | None = None
     abort_all: bool = False
 

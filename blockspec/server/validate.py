@@ -65,7 +65,13 @@ def check_model(name: str | None, served: str) -> None:
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An int, or a float JSON Schema counts as one (5.0)."""
+    return (isinstance(x, int) and not isinstance(x, bool)) or (
+        isinstance(x, float) and x.is_integer())
+
+
+def _ints(xs: list) -> list[int]:
+    return [int(x) for x in xs]
 
 
 def _ids(ids: list[int], vocab: int, param: str) -> None:
@@ -99,7 +105,7 @@ def _sampling(req: _Sampling, max_new_tokens: int, vocab: int) -> SamplingParams
         top_p=req.top_p if req.top_p is not None else 1.0,
         top_k=req.top_k if req.top_k is not None else -1,
         min_p=req.min_p if req.min_p is not None else 0.0,
-        stop=req.stop or None, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+        stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
         seed=req.seed)
     return validated(params, vocab, {"max_new_tokens": "max_tokens"})
 
@@ -162,14 +168,14 @@ def _prompts(prompt: Any, engine: Any, n: int, max_prompts: int) -> list[list[in
         texts = prompt
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         _cap(1, n, max_prompts, "prompt")
-        _ids(prompt, vocab, "prompt")
-        return [list(prompt)]
+        _ids(_ints(prompt), vocab, "prompt")
+        return [_ints(prompt)]
     elif (isinstance(prompt, list) and prompt
           and all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)):
         _cap(len(prompt), n, max_prompts, "prompt")
         for i, p in enumerate(prompt):
-            _ids(p, vocab, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
-        return [list(p) for p in prompt]
+            _ids(_ints(p), vocab, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
+        return [_ints(p) for p in prompt]
     elif isinstance(prompt, list) and not prompt:
         raise _bad("prompt is empty", "prompt")
     else:
