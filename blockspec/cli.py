@@ -152,8 +152,21 @@ def _parse_ids(text: str, flag: str) -> list[int]:
 
 def _prompts(ns: argparse.Namespace) -> list[str]:
     texts = ([ns.prompt_pos] if ns.prompt_pos is not None else []) + (ns.prompt or [])
+    for i, t in enumerate(texts):       # argv decodes a non-UTF-8 byte to a lone surrogate
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            ch = ord(t[e.start])
+            what = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else repr(t[e.start])
+            raise ValueError(f"prompt {i + 1} is not UTF-8 text: character {e.start} is "
+                             f"{what}") from None
     if ns.prompt_file is not None:
-        raw = sys.stdin.read() if ns.prompt_file == "-" else Path(ns.prompt_file).read_text()
+        name = "stdin" if ns.prompt_file == "-" else ns.prompt_file
+        try:
+            raw = sys.stdin.read() if ns.prompt_file == "-" else Path(ns.prompt_file).read_text()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompt-file {name}: not UTF-8 text ({e.reason} at byte "
+                             f"{e.start})") from None
         from_file = [line for line in raw.splitlines() if line.strip()]
         if not from_file:
             raise ValueError(f"--prompt-file {ns.prompt_file}: no prompts (one per line expected)")
@@ -176,6 +189,12 @@ def _generate(ns: argparse.Namespace) -> int:
 
     # lazy: torch loads only when a command runs
     from blockspec.engine import Engine
+    from blockspec.sampling import SamplingParams, SamplingParamsError
+    try:        # the ranges the engine checks, before a model is loaded for nothing
+        SamplingParams.from_dict(sp)
+    except SamplingParamsError as e:
+        flag = f"--{e.param.replace('_', '-')}: " if e.param else ""
+        raise ValueError(f"{flag}{e}") from None
 
     if engine_kwargs["model_path"] is None:
         path, engine_kwargs = demo_engine_kwargs(engine_kwargs.pop("model_path"), engine_kwargs)

@@ -31,6 +31,10 @@ from blockspec.kernels.uniforms import uniforms_fused
 __all__ = [
     "SamplingParams",
     "SamplingParamsError",
+    "TOP_K_MAX",
+    "SEED_LIMIT",
+    "GREEDY_BELOW",
+    "not_utf8",
     "target_probs",
     "params_to_tensors",
     "Stream",
@@ -41,11 +45,34 @@ __all__ = [
     "logprobs_of",
 ]
 
-_SEED_LIMIT = 2**64
+# What the step buffers can hold (runtime/metadata.py: int64 and float32 rows). top_k is
+# bounded at int32 (any value >= the vocabulary already keeps every token); seeds are uint64
+# (``request_seed`` stores them two's-complement); temperatures below GREEDY_BELOW are greedy,
+# since dividing logits by a smaller float32 overflows to inf and the softmax to NaN.
+TOP_K_MAX = 2**31 - 1
+SEED_LIMIT = 2**64
+FLOAT32_MAX = 3.4028234663852886e38
+GREEDY_BELOW = 1e-5
 
 
 class SamplingParamsError(ValueError):
-    """A request's sampling parameters are malformed; the message names the field."""
+    """A request's sampling parameters are malformed; the message names the field and
+    ``param`` is that field (None when the error is about the whole dict)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def not_utf8(text: str) -> int | None:
+    """Index of the first character of ``text`` that UTF-8 cannot encode (a lone surrogate,
+    as JSON's "\\ud800" or a non-UTF-8 byte in argv decodes to), else None. Tokenizers and
+    response encoders fail on those, so every text field is checked where it comes in."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
 
 
 def _is_int(x: Any) -> bool:
@@ -54,6 +81,22 @@ def _is_int(x: Any) -> bool:
 
 def _is_real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _show(x: Any) -> str:
+    """A value for an error message: huge ints are summarised (str() of an int past 4300
+    digits raises, and a message should stay one readable line)."""
+    if _is_int(x) and x.bit_length() > 128:
+        return f"an int of {x.bit_length()} bits"
+    return repr(x)
+
+
+def _finite(x: Any) -> bool:
+    """A real number a float holds (an int past 1.8e308, as JSON allows, is not)."""
+    try:
+        return _is_real(x) and math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 @dataclass
@@ -97,63 +140,77 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise SamplingParamsError naming the first bad field and what was expected."""
-        def bad(msg: str) -> SamplingParamsError:
-            return SamplingParamsError(msg)
+        def bad(param: str, msg: str) -> SamplingParamsError:
+            return SamplingParamsError(msg, param)
 
         if not _is_int(self.max_new_tokens):
-            raise bad(f"max_new_tokens must be an int, got {type(self.max_new_tokens).__name__}")
+            raise bad("max_new_tokens", "max_new_tokens must be an int, "
+                                        f"got {type(self.max_new_tokens).__name__}")
         if self.max_new_tokens < 0:
-            raise bad(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+            raise bad("max_new_tokens", f"max_new_tokens must be >= 0, got {_show(self.max_new_tokens)}")
 
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
-            raise bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _finite(self.temperature):
+            raise bad("temperature", "temperature must be a finite number >= 0, "
+                                     f"got {_show(self.temperature)}")
         if self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature}")
+            raise bad("temperature", f"temperature must be >= 0, got {_show(self.temperature)}")
+        if self.temperature > FLOAT32_MAX:
+            raise bad("temperature", f"temperature must be at most {FLOAT32_MAX:g} (a float32), "
+                                     f"got {_show(self.temperature)}")
 
-        if not _is_real(self.top_p) or not math.isfinite(self.top_p):
-            raise bad(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not _finite(self.top_p):
+            raise bad("top_p", f"top_p must be a number in (0, 1], got {_show(self.top_p)}")
         if not 0 < self.top_p <= 1:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+            raise bad("top_p", f"top_p must be in (0, 1], got {_show(self.top_p)}")
 
         if not _is_int(self.top_k):
-            raise bad(f"top_k must be an int (-1 = off, or >= 1), got {self.top_k!r}")
+            raise bad("top_k", f"top_k must be an int (-1 = off, or >= 1), got {_show(self.top_k)}")
         if self.top_k == 0:
-            raise bad("top_k must be -1 (off) or >= 1, got 0 (0 is not 'off'; use -1)")
+            raise bad("top_k", "top_k must be -1 (off) or >= 1, got 0 (0 is not 'off'; use -1)")
         if self.top_k < -1:
-            raise bad(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+            raise bad("top_k", f"top_k must be -1 (off) or >= 1, got {_show(self.top_k)}")
+        if self.top_k > TOP_K_MAX:
+            raise bad("top_k", "top_k must be at most 2**31 - 1 (a value >= the vocabulary "
+                               f"keeps every token), got {_show(self.top_k)}")
 
-        if not _is_real(self.min_p) or not math.isfinite(self.min_p):
-            raise bad(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not _finite(self.min_p):
+            raise bad("min_p", f"min_p must be a number in [0, 1], got {_show(self.min_p)}")
         if not 0 <= self.min_p <= 1:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+            raise bad("min_p", f"min_p must be in [0, 1], got {_show(self.min_p)}")
 
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)):
-                raise bad(f"stop must be a string, a list of strings or None, "
-                          f"got {type(self.stop).__name__}")
+                raise bad("stop", "stop must be a string, a list of strings or None, "
+                                  f"got {type(self.stop).__name__}")
             for i, s in enumerate(stops):
                 if not isinstance(s, str):
-                    raise bad(f"stop[{i}] must be a string, got {type(s).__name__}")
+                    raise bad("stop", f"stop[{i}] must be a string, got {type(s).__name__}")
                 if not s:
-                    raise bad(f"stop strings must be non-empty, stop[{i}] is ''")
+                    raise bad("stop", f"stop strings must be non-empty, stop[{i}] is ''")
+                at = not_utf8(s)
+                if at is not None:
+                    raise bad("stop", f"stop[{i}] is not UTF-8 text: character {at} is "
+                                      f"{s[at]!r} (a lone surrogate)")
 
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)):
-                raise bad(f"stop_token_ids must be a list of ints or None, "
-                          f"got {type(self.stop_token_ids).__name__}")
+                raise bad("stop_token_ids", "stop_token_ids must be a list of ints or None, "
+                                            f"got {type(self.stop_token_ids).__name__}")
             for i, t in enumerate(self.stop_token_ids):
                 if not _is_int(t) or t < 0:
-                    raise bad(f"stop_token_ids[{i}] must be an int >= 0, got {t!r}")
+                    raise bad("stop_token_ids",
+                              f"stop_token_ids[{i}] must be an int >= 0, got {_show(t)}")
 
         if not isinstance(self.ignore_eos, bool):
-            raise bad(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+            raise bad("ignore_eos",
+                      f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
 
         if self.seed is not None:
             if not _is_int(self.seed):
-                raise bad(f"seed must be an int or None, got {type(self.seed).__name__}")
-            if not 0 <= self.seed < _SEED_LIMIT:
-                raise bad(f"seed must be in [0, 2**64), got {self.seed}")
+                raise bad("seed", f"seed must be an int or None, got {type(self.seed).__name__}")
+            if not 0 <= self.seed < SEED_LIMIT:
+                raise bad("seed", f"seed must be in [0, 2**64), got {_show(self.seed)}")
         self.constraint()
 
     def constraint(self) -> tuple[str, str] | None:
@@ -163,11 +220,12 @@ class SamplingParams:
         given = [k for k, v in (("json_schema", self.json_schema), ("regex", self.regex),
                                 ("ebnf", self.ebnf)) if v is not None]
         if not isinstance(self.json_object, bool):
-            raise SamplingParamsError(f"json_object must be a bool, got {type(self.json_object).__name__}")
+            raise SamplingParamsError(f"json_object must be a bool, got "
+                                      f"{type(self.json_object).__name__}", "json_object")
         given += ["json_object"] if self.json_object else []
         if len(given) > 1:
             raise SamplingParamsError(f"give at most one of json_schema, json_object, regex, ebnf; "
-                                      f"got {', '.join(given)}")
+                                      f"got {', '.join(given)}", given[1])
         if not given:
             return None
         kind = given[0]
@@ -178,19 +236,21 @@ class SamplingParams:
             try:
                 value = json.dumps(value)     # key order kept: it is the properties' order
             except (TypeError, ValueError) as e:
-                raise SamplingParamsError(f"json_schema: not JSON-serialisable: {e}") from None
+                raise SamplingParamsError(f"json_schema: not JSON-serialisable: {e}",
+                                          "json_schema") from None
         if not isinstance(value, str):
             raise SamplingParamsError(f"{kind} must be a string"
                                       f"{' or a dict' if kind == 'json_schema' else ''}, "
-                                      f"got {type(value).__name__}")
+                                      f"got {type(value).__name__}", kind)
         if not value.strip():
-            raise SamplingParamsError(f"{kind} must not be empty")
+            raise SamplingParamsError(f"{kind} must not be empty", kind)
         return kind, value
 
     @property
     def is_greedy(self) -> bool:
-        """Greedy rows are argmax-decoded and verified with exact-match acceptance."""
-        return self.temperature == 0 or self.top_k == 1
+        """Greedy rows are argmax-decoded and verified with exact-match acceptance; so are
+        temperatures below GREEDY_BELOW (their tempered logits overflow float32)."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

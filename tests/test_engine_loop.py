@@ -218,7 +218,7 @@ def test_failed_step_fails_its_requests_and_the_loop_carries_on(folder):
 
 def test_shutdown_ends_running_streams(folder):
     e = Engine(model_path=str(folder), device="cpu")
-    it = e.generate(input_ids=[4, 5], sampling_params={**GREEDY, "max_new_tokens": 5000}, stream=True)
+    it = e.generate(input_ids=[4, 5], sampling_params={**GREEDY, "max_new_tokens": 4000}, stream=True)
     next(it)
     threading.Timer(0.05, e.shutdown).start()
     with pytest.raises(RuntimeError, match="shut down"):

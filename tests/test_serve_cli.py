@@ -74,8 +74,10 @@ def folder(tmp_path_factory):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_graceful_shutdown_ends_streams_with_an_error_event(folder, sig):
+    """A stream still running when --graceful-shutdown-timeout has passed ends with an error
+    event and [DONE]; the process exits 0."""
     proc = _Proc("--model-path", str(folder), "--device", "cpu", "--port", "0",
-                 "--max-total-tokens", "8192")
+                 "--max-total-tokens", "8192", "--graceful-shutdown-timeout", "1")
     try:
         url = proc.url()
         assert url.startswith("http://127.0.0.1:")
@@ -109,3 +111,75 @@ def test_busy_port_is_one_line_error(folder):
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], r.stderr
+
+
+def test_sigterm_drains_running_and_queued_requests(folder):
+    """SIGTERM: new connections are refused at once, but the stream, the blocking request and
+    the request queued behind them (one runs at a time) all finish in full within
+    --graceful-shutdown-timeout; the stream gets its last chunk and [DONE]."""
+    proc = _Proc("--model-path", str(folder), "--device", "cpu", "--port", "0",
+                 "--max-running-requests", "1", "--graceful-shutdown-timeout", "60")
+    try:
+        url = proc.url()
+        results: dict = {}
+
+        def blocking(name: str, max_tokens: int) -> None:
+            r = httpx.post(url + "/v1/completions", timeout=120, json={
+                "prompt": name, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+            results[name] = (r.status_code, r.json())
+
+        with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+                "prompt": "stream", "max_tokens": 150, "stream": True, "ignore_eos": True,
+                "temperature": 0, "stream_options": {"include_usage": True}}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            threads = [threading.Thread(target=blocking, args=(n, 40)) for n in ("block", "queued")]
+            for t in threads:
+                t.start()
+                time.sleep(0.3)
+            proc.p.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(httpx.ConnectError):          # no longer accepting
+                httpx.get(url + "/health", timeout=5)
+            events = [x[6:] for x in lines if x.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all("error" not in c for c in chunks)
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == 150
+        for t in threads:
+            t.join(120)
+        for name in ("block", "queued"):
+            status, body = results[name]
+            assert status == 200, body
+            assert body["usage"]["completion_tokens"] == 40
+        assert proc.p.wait(60) == 0
+        assert "Traceback" not in "".join(proc.err)
+    finally:
+        proc.kill()
+
+
+def test_sigterm_ends_what_outlives_the_timeout_with_a_clear_error(folder):
+    proc = _Proc("--model-path", str(folder), "--device", "cpu", "--port", "0",
+                 "--graceful-shutdown-timeout", "1")
+    try:
+        url = proc.url()
+        result: dict = {}
+
+        def blocking() -> None:
+            r = httpx.post(url + "/v1/completions", timeout=120, json={
+                "prompt": "long", "max_tokens": 4000, "ignore_eos": True})
+            result["r"] = (r.status_code, r.json())
+
+        t = threading.Thread(target=blocking)
+        t.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        proc.p.send_signal(signal.SIGTERM)
+        t.join(60)
+        status, body = result["r"]
+        assert status == 503 and body["error"]["code"] == "shutting_down", body
+        assert "graceful-shutdown-timeout" in body["error"]["message"]
+        assert proc.p.wait(30) == 0 and time.monotonic() - t0 < 20
+    finally:
+        proc.kill()

@@ -26,7 +26,7 @@ from blockspec.kernels.triton_loader import triton_importable
 from blockspec.models.loader import load_target
 from blockspec.models.nemotron_h import NemotronHForCausalLM
 from blockspec.runtime.model_runner import ModelRunner, RunnerOptions
-from blockspec.sampling import SamplingParams
+from blockspec.sampling import SamplingParams, not_utf8
 from blockspec.speculative.worker import SpecWorker, build_spec_worker
 from blockspec.tokenizer import Tokenizer
 
@@ -35,7 +35,59 @@ DEFAULT_MAX_TOTAL_TOKENS = 32768
 
 
 class GenerateError(ValueError):
-    """Bad arguments to ``Engine.generate``."""
+    """Bad arguments to ``Engine.generate`` / ``Engine.submit``; ``param`` names the argument
+    (None when it is about the engine itself), so a server can point its client at it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _is_token(t: Any, vocab: int) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+
+
+def check_token_ids(ids: Any, vocab: int, param: str, *, allow_empty: bool = False) -> None:
+    """``ids`` is a list of ints in [0, vocab) (non-empty unless ``allow_empty``): an id past
+    the vocabulary would index past the embedding table inside a step."""
+    if not isinstance(ids, (list, tuple)):
+        raise GenerateError(f"{param} must be a list of token ids, got {type(ids).__name__}", param)
+    if not ids and not allow_empty:
+        raise GenerateError(f"{param} is empty: give at least one token", param)
+    bad = [t for t in ids if not _is_token(t, vocab)]
+    if bad:
+        shown = ", ".join(_short(t) for t in bad[:5])
+        raise GenerateError(f"{param}: token ids must be ints in [0, {vocab}) (the vocabulary), "
+                            f"found [{shown}]", param)
+
+
+def _short(x: Any) -> str:
+    if isinstance(x, int) and x.bit_length() > 128:
+        return f"an int of {x.bit_length()} bits"
+    return repr(x)
+
+
+def check_text(text: str, param: str) -> None:
+    """``text`` encodes as UTF-8 (no lone surrogate), else GenerateError naming ``param``."""
+    at = not_utf8(text)
+    if at is not None:
+        raise GenerateError(f"{param} is not UTF-8 text: character {at} is {text[at]!r} (a lone "
+                            "surrogate, e.g. JSON's \\ud800 or an undecodable byte)", param)
+
+
+def check_context(prompt_len: int, max_new_tokens: int, context: int, *, prompt_param: str,
+                  tokens_param: str, source: str = "") -> None:
+    """prompt + max_new_tokens fit ``context`` tokens, else GenerateError naming both numbers
+    and the one to change (``source`` says where the context comes from)."""
+    if prompt_len + max_new_tokens <= context:
+        return
+    if prompt_len >= context:
+        raise GenerateError(f"the prompt has {prompt_len} tokens but the context holds {context}"
+                            f"{source} (prompt + output); shorten the prompt", prompt_param)
+    raise GenerateError(f"the prompt has {prompt_len} tokens and {tokens_param} is "
+                        f"{_short(max_new_tokens)}, together more than the context of {context} "
+                        f"tokens{source}; lower {tokens_param} to at most {context - prompt_len}",
+                        tokens_param)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,10 +128,10 @@ class Engine:
         logging.basicConfig(level=args.log_level.upper(), format="[blockspec] %(message)s")
         self.device = resolve_device(args.device)
         self._resolve_backends(args.speculative_algorithm)      # bad flags fail before any load
+        tok_dir = self._tokenizer_dir(args.tokenizer_path, args.model_path)
         raw = read_config(args.model_path)
         self.dtype = resolve_dtype(args.dtype, raw, self.device)
         model, config = load_target(args.model_path, self.dtype, self.device)
-        tok_dir = Path(args.tokenizer_path or args.model_path)
         tokenizer = Tokenizer(tok_dir) if Tokenizer.exists(tok_dir) else None
         self._assemble(model, config, tokenizer, draft=None)
 
@@ -97,6 +149,22 @@ class Engine:
         self._resolve_backends(args.speculative_algorithm or (draft.config.algorithm.upper() if draft else None))
         self._assemble(model, model.cfg, tokenizer, draft=draft)
         return self
+
+    @staticmethod
+    def _tokenizer_dir(tokenizer_path: str | None, model_path: str) -> Path:
+        """The tokenizer folder; an explicit tokenizer_path that is missing or holds no
+        tokenizer.json is an error about that path (not a silent 'no tokenizer')."""
+        if tokenizer_path is None:
+            return Path(model_path)
+        path = Path(tokenizer_path)
+        if not path.exists():
+            raise GenerateError(f"tokenizer_path {tokenizer_path} does not exist", "tokenizer_path")
+        if path.is_file() and path.name == "tokenizer.json":
+            path = path.parent
+        if not Tokenizer.exists(path):
+            raise GenerateError(f"tokenizer_path {tokenizer_path} has no tokenizer.json",
+                                "tokenizer_path")
+        return path
 
     def _resolve_backends(self, speculative: str | None) -> None:
         args = self.args
@@ -158,14 +226,15 @@ class Engine:
         the prompt list when a list was given); the deltas concatenate to the non-streamed
         result and each request's last delta carries its full ``meta_info``. Closing the
         iterator early aborts what is still running."""
-        single, id_lists = self._normalize_prompts(prompt, input_ids)
+        single, id_lists, param = self._normalize_prompts(prompt, input_ids)
         params = self._normalize_params(sampling_params, len(id_lists))
-        for ids, p in zip(id_lists, params):
-            self._fits(ids, p)                  # all or nothing: nothing queued on a bad prompt
+        for i, (ids, p) in enumerate(zip(id_lists, params)):   # all or nothing: nothing is
+            self.check_request(ids, p, param if single else f"{param}[{i}]")   # queued on an error
         outputs: queue.SimpleQueue[StreamOutput] = queue.SimpleQueue()
         per_step = stream or self.on_step is not None     # the progress hook wants every step
+        group = uuid.uuid4().hex        # one call's prompts share the engine with other callers
         with self._require_loop().grouped():
-            rids = [self._enqueue(ids, p, outputs.put, return_logprob, per_step, None)
+            rids = [self._enqueue(ids, p, outputs.put, return_logprob, per_step, None, group)
                     for ids, p in zip(id_lists, params)]
         if stream:
             return self._stream(rids, outputs, single)
@@ -188,20 +257,51 @@ class Engine:
 
     def submit(self, input_ids: list[int], params: SamplingParams,
                sink: Callable[[StreamOutput], None], *, return_logprob: bool = False,
-               stream: bool = True, rid: str | None = None) -> str:
+               stream: bool = True, rid: str | None = None, group: object = None) -> str:
         """Queue one request on the engine loop and return its id; its ``StreamOutput``s go to
-        ``sink`` from the loop thread (which must not block). Raises GenerateError when the
-        request is malformed or can never fit. This is the entry point for servers."""
+        ``sink`` from the loop thread (which must not block). Raises GenerateError (or
+        SamplingParamsError) naming the argument when the request is malformed or can never
+        fit (``check_request``). Requests submitted with the same ``group`` (one client
+        request's prompts) are admitted round-robin with other groups. This is the entry
+        point for servers."""
         self._require_loop()
-        self._check_ids(input_ids)
-        self._fits(input_ids, params)
-        return self._enqueue(input_ids, params, sink, return_logprob, stream, rid)
+        if rid is not None:
+            if not isinstance(rid, str):
+                raise GenerateError(f"rid must be a string, got {type(rid).__name__}", "rid")
+            check_text(rid, "rid")
+        self.check_request(input_ids, params)
+        return self._enqueue(input_ids, params, sink, return_logprob, stream, rid, group)
+
+    def check_request(self, input_ids: list[int], params: SamplingParams,
+                      param: str = "input_ids") -> None:
+        """The one check every way in (``generate``, ``submit``, so the CLI and the server)
+        runs before anything is queued: token ids and stop_token_ids inside the vocabulary,
+        sampling parameters in the ranges the step buffers hold, prompt + max_new_tokens
+        within the model's context, and the whole request within the cache. Raises
+        GenerateError / SamplingParamsError naming the argument (``param``: the prompt's)."""
+        vocab = self.config.vocab_size
+        check_token_ids(input_ids, vocab, param)
+        if not isinstance(params, SamplingParams):
+            raise GenerateError(f"params must be SamplingParams, got {type(params).__name__}",
+                                "sampling_params")
+        params.validate()
+        if params.stop_token_ids:
+            check_token_ids(list(params.stop_token_ids), vocab, "stop_token_ids")
+        check_context(len(input_ids), params.max_new_tokens, self.config.max_position_embeddings,
+                      prompt_param=param, tokens_param="max_new_tokens",
+                      source=" (the model's max_position_embeddings)")
+        try:
+            self.scheduler.check(Request(rid="", prompt_ids=list(input_ids), params=params))
+        except ValueError as e:
+            raise GenerateError(str(e), "max_new_tokens") from None
+        self.compile_grammar(params)
 
     def _enqueue(self, input_ids: list[int], params: SamplingParams, sink: Callable[[StreamOutput], None],
-                 return_logprob: bool, stream: bool, rid: str | None) -> str:
+                 return_logprob: bool, stream: bool, rid: str | None, group: object = None) -> str:
         """Hand an already checked request to the loop."""
         req = Request(rid=rid if rid is not None else uuid.uuid4().hex, prompt_ids=list(input_ids),
-                      params=params, return_logprob=return_logprob, grammar=self._matcher(params))
+                      params=params, return_logprob=return_logprob, group=group,
+                      grammar=self._matcher(params))
         try:
             self._require_loop().submit(req, sink, stream=stream)
         except EngineClosedError as e:
@@ -253,15 +353,6 @@ class Engine:
             raise GenerateError("this Engine was shut down; create a new one")
         return self._loop
 
-    def _fits(self, input_ids: list[int], params: SamplingParams) -> None:
-        """The request can ever be admitted (prompt + max_new_tokens + lookahead fit the cache)
-        and its grammar, if any, compiles."""
-        try:
-            self.scheduler.check(Request(rid="", prompt_ids=list(input_ids), params=params))
-            self.compile_grammar(params)
-        except ValueError as e:
-            raise GenerateError(str(e)) from None
-
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compile (or find cached) the request's structured-output grammar; ValueError naming
         the field when it does not compile. The server calls it while validating a request."""
@@ -274,7 +365,7 @@ class Engine:
         self._grammars.compile(*constraint)
 
     def _matcher(self, params: SamplingParams) -> Matcher | None:
-        """A fresh grammar matcher for a request that was checked by ``_fits``."""
+        """A fresh grammar matcher for a request that was checked by ``check_request``."""
         constraint = params.constraint()
         if constraint is None:
             return None
@@ -311,39 +402,39 @@ class Engine:
             yield chunk
 
     # ---- input normalisation -----------------------------------------------------------------
-    def _check_ids(self, ids: list[int]) -> None:
-        vocab = self.config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise GenerateError(f"input_ids: token ids must be ints in [0, {vocab}), found {bad[:5]}")
-
-    def _normalize_prompts(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
+    def _normalize_prompts(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]], str]:
+        """(one prompt?, token id lists, the argument they came from)."""
         if self._loop is None:
             raise GenerateError("this Engine was shut down; create a new one")
         if (prompt is None) == (input_ids is None):
-            raise GenerateError("give exactly one of prompt or input_ids")
+            raise GenerateError("give exactly one of prompt or input_ids", "prompt")
+        vocab = self.config.vocab_size
         if input_ids is not None:
-            single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
+            if not isinstance(input_ids, list) or not input_ids:
+                raise GenerateError("input_ids must be a non-empty list of ints or of lists of "
+                                    "ints", "input_ids")
+            single = not any(isinstance(x, list) for x in input_ids)
             lists = [input_ids] if single else input_ids
-            if not isinstance(lists, list) or not all(isinstance(x, list) for x in lists):
-                raise GenerateError("input_ids must be a list of ints or a list of lists of ints")
-            for x in lists:
-                self._check_ids(x)
-            return single, [list(x) for x in lists]
-        if self.tokenizer is None:
-            raise GenerateError("a text prompt needs a tokenizer, but the model folder has no "
-                                "tokenizer.json; pass input_ids instead")
+            for i, x in enumerate(lists):
+                check_token_ids(x, vocab, "input_ids" if single else f"input_ids[{i}]")
+            return single, [list(x) for x in lists], "input_ids"
         single = isinstance(prompt, str)
         texts = [prompt] if single else prompt
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise GenerateError("prompt must be a string or a list of strings")
-        return single, [self.tokenizer.encode(t) for t in texts]
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            raise GenerateError("prompt must be a string or a non-empty list of strings", "prompt")
+        for i, t in enumerate(texts):
+            check_text(t, "prompt" if single else f"prompt[{i}]")
+        if self.tokenizer is None:
+            raise GenerateError("a text prompt needs a tokenizer, but the model folder has no "
+                                "tokenizer.json; pass input_ids instead", "prompt")
+        return single, [self.tokenizer.encode(t) for t in texts], "prompt"
 
     @staticmethod
-    def _normalize_params(sp, n: int) -> list[SamplingParams]:
+    def _normalize_params(sp: Any, n: int) -> list[SamplingParams]:
         if isinstance(sp, list):
             if len(sp) != n:
-                raise GenerateError(f"sampling_params has {len(sp)} entries for {n} prompts")
+                raise GenerateError(f"sampling_params has {len(sp)} entries for {n} prompts",
+                                    "sampling_params")
             items = sp
         else:
             items = [sp] * n

@@ -181,8 +181,7 @@ class EngineLoop:
                 try:
                     changed = self._sched.step()
                 except Exception as e:      # noqa: BLE001 - a failed step must not kill the server
-                    log.exception("engine step failed; ending the requests it held")
-                    self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                    self._isolate(e)
                 else:
                     self._steps += 1
                     self._emit(changed)
@@ -227,6 +226,22 @@ class EngineLoop:
             self._finish(live, {"type": "abort", "message": "aborted"})
         if done is not None:
             self._acks.append(done)
+
+    def _isolate(self, error: Exception) -> None:
+        """A step raised: end only the request(s) the scheduler finds to blame; the others
+        were rolled back and go on. Should that itself fail, end everything the step held."""
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        log.error("%s; isolating the request that caused it", message, exc_info=error)
+        try:
+            culprits = self._sched.recover(error)
+        except Exception:       # noqa: BLE001
+            log.exception("could not isolate the failed step; ending every request")
+            self._fail_all(message)
+            return
+        for req in culprits:
+            live = self._live.pop(req.rid, None)
+            if live is not None:
+                self._finish(live, {"type": "error", "message": message})
 
     def _fail_all(self, message: str, closed: bool = False) -> None:
         """End every live request with an ``error`` finish (``closed``: the loop is stopping)."""

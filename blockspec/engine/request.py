@@ -10,11 +10,25 @@ from blockspec.sampling import SamplingParams
 
 
 @dataclass
+class Mark:
+    """A request's committed host state when a step began: what a failed step rolls back to
+    (the scheduler then computes its cache state again from these tokens)."""
+
+    outputs: int
+    logprobs: int
+    cached: int
+    verifies: int
+    histogram: list[int]
+    first_token_time: float | None
+
+
+@dataclass
 class Request:
     rid: int
     prompt_ids: list[int]
     params: SamplingParams
     return_logprob: bool = False
+    group: object = None                  # the client request it belongs to (fair admission)
     seed: int = 0                         # int64 sampling seed (its own or from random_seed)
     grammar: Matcher | None = None        # structured output: advanced by every committed token
     output_ids: list[int] = field(default_factory=list)
@@ -31,9 +45,31 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
 
+    failed_steps: int = 0                 # failed steps it was part of (fault isolation)
+
+    @property
+    def context_ids(self) -> list[int]:
+        """The tokens a prefill puts in the cache: the prompt, and for a request computed
+        again after a failed step also its output but the last token (the next step's input,
+        as for any running request: committed = prompt + output - 1)."""
+        return self.prompt_ids + self.output_ids[:-1] if self.output_ids else self.prompt_ids
+
     @property
     def prefilled(self) -> bool:
-        return self.num_cached >= len(self.prompt_ids)
+        return self.num_cached >= len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    def mark(self) -> Mark:
+        return Mark(len(self.output_ids), len(self.output_logprobs), self.num_cached,
+                    self.spec_verify_ct, list(self.spec_accept_histogram), self.first_token_time)
+
+    def roll_back(self, mark: Mark) -> None:
+        """Forget what a failed step added; the cache state is computed again (num_cached 0)."""
+        del self.output_ids[mark.outputs:]
+        del self.output_logprobs[mark.logprobs:]
+        self.spec_verify_ct, self.spec_accept_histogram = mark.verifies, list(mark.histogram)
+        self.first_token_time = mark.first_token_time
+        self.finish_reason, self.text, self.finished_time = None, "", None
+        self.num_cached = 0
 
     @property
     def finished(self) -> bool:

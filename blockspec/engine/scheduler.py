@@ -10,21 +10,30 @@ current one back, so appending tokens, stop checks and the loop's outputs run wh
 works. A request that finishes is therefore computed one step too far; that step's rows for
 it are dropped (its reservation covers the extra positions, ``STEPS_IN_FLIGHT``), and a changed
 batch (a finish, an admission, an abort) waits for the step in flight before it is filled anew.
+
+A step that raises hurts only the request that made it fail (``recover``). Every step records
+the requests it touches and their committed host state (``Mark``); after a failure those
+suspects are rolled back to it and computed again from their tokens (a prefill of prompt +
+output: a half-run forward may have advanced their Mamba state, which cannot be undone), so
+none loses or repeats a token. A lone suspect is the culprit and ends with an error; several
+are bisected: their halves run one at a time (everyone else waits) until the failing step is
+reproduced by a single request or passed by all of them.
+
 A batch with a grammar-constrained request is never launched ahead: its next masks follow
 from the tokens this step commits, which only the host's matchers know.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
 from torch.profiler import record_function
 
 from blockspec.cache import MemoryManager
-from blockspec.engine.request import Request
+from blockspec.engine.request import Mark, Request
 from blockspec.engine.stop import append_tokens
 from blockspec.runtime.metadata import StepBatch
 from blockspec.runtime.model_runner import Launched, ModelRunner
@@ -43,6 +52,93 @@ class Drafter(Protocol):
     def results(self, step: Launched) -> list[tuple[int, list[int], list[float]]]: ...
 
 
+def group_of(req: Request) -> object:
+    """The client request ``req`` came with (a request without one is its own group)."""
+    return req.group if req.group is not None else ("rid", req.rid)
+
+
+class FairQueue:
+    """Waiting requests: one FIFO per group (the client request they came with), served
+    round-robin, so a request of a thousand prompts is admitted a share at a time and a small
+    one beside it is next in line, not behind all of them."""
+
+    def __init__(self) -> None:
+        self._groups: OrderedDict[object, deque[Request]] = OrderedDict()
+        self._n = 0
+
+    def append(self, req: Request) -> None:
+        self._groups.setdefault(group_of(req), deque()).append(req)
+        self._n += 1
+
+    def appendleft(self, req: Request) -> None:
+        """First in line of all (a request being computed again resumes at once)."""
+        self.requeue(req)
+        self._groups.move_to_end(group_of(req), last=False)
+
+    def requeue(self, req: Request) -> None:
+        """First of its group, its group keeping its turn (a preempted request)."""
+        self._groups.setdefault(group_of(req), deque()).appendleft(req)
+        self._n += 1
+
+    def heads(self) -> list[Request]:
+        """The first request of every group, in turn order."""
+        return [queue[0] for queue in self._groups.values()]
+
+    def take(self, req: Request) -> None:
+        """Admit ``req`` (the head of its group): that group's turn goes to the back."""
+        key = group_of(req)
+        queue = self._groups[key]
+        assert queue[0] is req
+        queue.popleft()
+        self._n -= 1
+        if queue:
+            self._groups.move_to_end(key)
+        else:
+            del self._groups[key]
+
+    def popleft(self) -> Request:
+        """The next request of the group whose turn it is."""
+        req = next(iter(self._groups.values()))[0]
+        self.take(req)
+        return req
+
+    def remove(self, req: Request) -> None:
+        key = group_of(req)
+        queue = self._groups[key]
+        queue.remove(req)
+        self._n -= 1
+        if not queue:
+            del self._groups[key]
+
+    def groups(self) -> list[object]:
+        return list(self._groups)
+
+    def __contains__(self, req: object) -> bool:
+        queue = self._groups.get(group_of(req)) if isinstance(req, Request) else None
+        return queue is not None and any(r is req for r in queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        for queue in list(self._groups.values()):
+            yield from list(queue)
+
+    def __len__(self) -> int:
+        return self._n
+
+
+# a request that was among the suspects of this many failed steps is ended even when the
+# bisection never pins a failure on it alone (a failure that needs several requests together)
+MAX_FAILED_STEPS = 8
+INT64 = (-(2**63), 2**63)
+
+
+class BadRow(ValueError):
+    """A request's step row holds a value the int64 step buffer cannot (known culprit)."""
+
+    def __init__(self, req: Request, message: str) -> None:
+        super().__init__(message)
+        self.req = req
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, memory: MemoryManager, *, eos_token_ids: list[int],
                  chunked_prefill_size: int, detokenize: Callable[[list[int]], str] | None = None,
@@ -54,12 +150,18 @@ class Scheduler:
         self.detokenize = detokenize
         self.drafter = drafter
         self.seed = seed
-        self.waiting: deque[Request] = deque()
+        self.waiting = FairQueue()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
         self._last_was_prefill = False
         self._arrivals = 0
         self._inflight: Launched | None = None    # launched, not yet read back (tag: its requests)
+        self._resync = False            # the step in flight must not be continued on the device
+        # fault isolation: what the step running now has touched (None between steps), their
+        # marks, and the groups of suspects still to run alone (with the marks they failed at)
+        self._touched: list[Request] | None = None
+        self._marks: dict[int, Mark] = {}
+        self._probe: deque[dict[int, tuple[Request, int]]] = deque()
 
     def add(self, req: Request) -> None:
         self.check(req)
@@ -70,49 +172,110 @@ class Scheduler:
 
     def check(self, req: Request) -> None:
         """Raise ValueError when ``req`` can never run here (read-only: any thread may call it)."""
-        need = self.memory.needed_tokens(len(req.prompt_ids), req.params.max_new_tokens)
-        if need > self.memory.total_tokens:
-            raise ValueError(f"request needs {need} cache positions (prompt {len(req.prompt_ids)} + "
-                             f"max_new_tokens {req.params.max_new_tokens}) but the cache holds "
-                             f"{self.memory.total_tokens}; raise max_total_tokens")
         if not req.prompt_ids:
             raise ValueError("prompt is empty: give at least one token")
+        need = self.memory.needed_tokens(len(req.prompt_ids), req.params.max_new_tokens)
+        if need > self.memory.total_tokens:
+            # callers check the model's context first, so ``need`` is at most the context plus
+            # the lookahead: raising the cache to it is advice that can work
+            raise ValueError(f"request needs {need} cache positions (prompt {len(req.prompt_ids)} + "
+                             f"max_new_tokens {req.params.max_new_tokens} + "
+                             f"{self.memory.lookahead} in flight) but the cache holds "
+                             f"{self.memory.total_tokens}; raise max_total_tokens to at least "
+                             f"{need}")
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one forward; returns the requests it changed (new tokens, or finished)."""
+        """Run one forward; returns the requests it changed (new tokens, or finished). Should
+        it raise, call ``recover`` before the next step."""
+        self._touched, self._marks = [], {}
         self._admit()
+        group = self._probe_group()
+        prefilling = self.prefilling if group is None else [r for r in self.prefilling
+                                                            if id(r) in group]
+        running = self.running if group is None else [r for r in self.running if id(r) in group]
         # While both have work, prefill chunks alternate with decode steps, so a long prompt
         # being prefilled does not stall the running streams.
-        if self.prefilling and not (self.running and self._last_was_prefill):
+        if prefilling and not (running and self._last_was_prefill):
             self._last_was_prefill = True
-            return self._prefill_step()
-        self._last_was_prefill = False
-        if self.running:
-            return self._decode_step()
-        return []
+            changed = self._prefill_step(prefilling)
+        else:
+            self._last_was_prefill = False
+            changed = self._decode_step(running) if running else []
+        self._touched = None
+        if group is not None:
+            self._probe_passed(group)
+        return changed
+
+    def _touch(self, reqs: list[Request]) -> None:
+        """``reqs`` are about to be changed by this step: remember their committed state."""
+        for r in reqs:
+            if id(r) not in self._marks:
+                self._marks[id(r)] = r.mark()
+                self._touched.append(r)
 
     def _admit(self) -> None:
+        """Admit waiting requests group by group in turn (FairQueue); a group whose next
+        request finds no room passes its turn, after preempting a request of a group that
+        holds more than its share if it holds less (``_preempt_for``)."""
         m = self.memory
-        while self.waiting and len(self.prefilling) + len(self.running) < m.max_requests:
-            req = self.waiting[0]
-            need = m.needed_tokens(len(req.prompt_ids), req.params.max_new_tokens)
-            if not m.can_admit(need):
-                break
-            self.waiting.popleft()
-            req.cache = m.admit(need)
-            self.prefilling.append(req)
 
-    def _prefill_step(self) -> list[Request]:
+        def room(need: int) -> bool:
+            return len(self.prefilling) + len(self.running) < m.max_requests and m.can_admit(need)
+
+        admitted = True
+        while admitted and self.waiting:
+            admitted = False
+            for req in self.waiting.heads():
+                need = m.needed_tokens(len(req.prompt_ids), req.params.max_new_tokens)
+                while not room(need) and self._preempt_for(req):
+                    pass
+                if not room(need):
+                    continue
+                self._touch([req])              # should admission itself fail, it is the culprit
+                req.cache = m.admit(need)
+                self._touched.remove(req)
+                del self._marks[id(req)]
+                self.waiting.take(req)
+                self.prefilling.append(req)
+                admitted = True
+                break                           # the turn order has changed: look again
+
+    def _preempt_for(self, req: Request) -> bool:
+        """Make room for ``req`` when its group holds less than a fair share of the request
+        slots (slots / groups holding or waiting) and another group holds more: that group's
+        latest admitted request goes back to the front of its queue, keeping its tokens (it is
+        computed again when it is admitted next). True when one was preempted."""
+        held = self.prefilling + self.running
+        holding = Counter(group_of(r) for r in held)
+        share = -(-self.memory.max_requests // len(set(holding) | set(self.waiting.groups())))
+        mine = group_of(req)
+        if holding[mine] >= share:
+            return False
+        over = [g for g, c in holding.items() if g != mine and c > share]
+        if not over:
+            return False
+        victim_group = max(over, key=lambda g: holding[g])
+        victim = next(r for r in reversed(held) if group_of(r) == victim_group)
+        for queue in (self.prefilling, self.running):
+            if victim in queue:
+                queue.remove(victim)
+        self.memory.release(victim.cache)
+        victim.num_cached = 0           # its committed tokens are prefilled again
+        self.waiting.requeue(victim)
+        return True
+
+    def _prefill_step(self, prefilling: list[Request]) -> list[Request]:
         budget, chunks = self.chunk, []
-        for req in self.prefilling:
+        for req in prefilling:
             if budget <= 0:
                 break
-            n = min(len(req.prompt_ids) - req.num_cached, budget)
+            n = min(len(req.context_ids) - req.num_cached, budget)
             chunks.append((req, req.num_cached, req.num_cached + n))
             budget -= n
+        self._touch([r for r, _, _ in chunks])
         out, rows = self.runner.extend([r.cache.slot for r, _, _ in chunks], [s for _, s, _ in chunks],
-                                       [r.prompt_ids[s:e] for r, s, e in chunks])
+                                       [r.context_ids[s:e] for r, s, e in chunks])
         for req, _, e in chunks:
             req.num_cached = e
         if self.drafter is not None:
@@ -121,13 +284,14 @@ class Scheduler:
         if not done_rows:
             return []
         done = [chunks[i][0] for i in done_rows]
+        resumed = {id(r) for r in done if r.output_ids}     # computed again: the next input is known
         for req in done:
             self.prefilling.remove(req)
-            if req.params.max_new_tokens == 0:
+            if req.params.max_new_tokens == 0 and id(req) not in resumed:
                 req.finish_reason = {"type": "length", "length": 0}
             else:
                 self.running.append(req)
-        live = [i for i, req in enumerate(done) if not req.finished]
+        live = [i for i, req in enumerate(done) if not req.finished and id(req) not in resumed]
         if live:
             reqs = [done[i] for i in live]
             logits = out.logits[torch.tensor([done_rows[i] for i in live], device=out.logits.device)]
@@ -135,9 +299,14 @@ class Scheduler:
             for req, (tok, lp) in zip(reqs, picked):
                 self._append(req, [int(tok)], [lp])
         self._retire([req for req in done if req.finished])
-        return done
+        return [req for req in done if id(req) not in resumed]
 
     def _step_batch(self, reqs: list[Request]) -> StepBatch:
+        for r in reqs:          # a value the buffer cannot hold names its request, not the batch
+            for what, v in (("top_k", r.params.top_k), ("seed", r.seed),
+                            ("token", r.output_ids[-1] if r.output_ids else 0)):
+                if not INT64[0] <= v < INT64[1]:
+                    raise BadRow(r, f"request {r.rid}: {what} {v} does not fit the int64 step row")
         temps = [0.0 if r.params.is_greedy else float(r.params.temperature) for r in reqs]
         return StepBatch(
             slots=[r.cache.slot for r in reqs], prefix_lens=[r.num_cached for r in reqs],
@@ -161,14 +330,19 @@ class Scheduler:
         step.tag = reqs if reqs is not None else prev.tag
         return step
 
-    def _decode_step(self) -> list[Request]:
+    def _decode_step(self, running: list[Request]) -> list[Request]:
         """Read one step back and apply it; first launch the step after it when the running
         requests are still exactly the ones it ran for (see the module docstring)."""
-        reqs = list(self.running)
+        reqs = list(running)
         cur = self._inflight
         if cur is None:
+            self._touch(reqs)
             cur = self._launch(reqs)
-        same = len(cur.tag) == len(reqs) and all(a is b for a, b in zip(cur.tag, reqs))
+        else:
+            self._touch(cur.tag)
+        same = (not self._resync and len(cur.tag) == len(reqs)
+                and all(a is b for a, b in zip(cur.tag, reqs)))
+        self._resync = False
         # a grammar's next mask needs this step's tokens on the host: no step ahead
         same = same and not any(r.grammar is not None for r in reqs)
         self._inflight = self._launch(None, cur) if same else None
@@ -178,8 +352,9 @@ class Scheduler:
             else:
                 results = self.drafter.results(cur)
         changed = []
+        live = {id(r) for r in self.running}
         for req, (a, tokens, lps) in zip(cur.tag, results):
-            if req.finished:            # finished (or aborted) after this step was launched
+            if req.finished or id(req) not in live:   # finished, aborted or preempted since
                 continue
             req.num_cached += a + 1
             if self.drafter is not None:
@@ -208,6 +383,101 @@ class Scheduler:
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         append_tokens(req, tokens, logprobs, eos=self.eos, detokenize=self.detokenize)
+
+    # ---- fault isolation ---------------------------------------------------------------------
+    def recover(self, error: BaseException) -> list[Request]:
+        """After ``step`` raised: find who made it fail. Returns the requests to end with an
+        error (removed, their cache released); every other request the step touched is back
+        at its committed state and will be computed again, losing and repeating no token.
+        Requests the step did not touch go on as they were."""
+        touched, marks = self._touched, self._marks
+        self._touched, self._marks = None, {}
+        if isinstance(error, BadRow):
+            suspects = [error.req]
+        elif touched:
+            suspects = touched
+        else:       # it failed outside a step's own work: anyone holding cache may be to blame
+            suspects = list(self.prefilling) + list(self.running) or list(self.waiting)[:1]
+            marks = {id(r): r.mark() for r in suspects}
+        if self._inflight is not None:
+            ids = {id(r) for r in suspects}
+            if any(id(r) in ids for r in self._inflight.tag):
+                self._inflight = None           # ran ahead for suspects: computed again below
+            else:
+                self._resync = True             # valid, but the step inputs may be overwritten
+        for req in suspects:
+            req.failed_steps += 1
+        group = self._probe[0] if self._probe else None
+        if len(suspects) == 1 or isinstance(error, BadRow):
+            culprits = suspects
+        else:
+            culprits = [r for r in suspects if r.failed_steps >= MAX_FAILED_STEPS]
+        keep = [r for r in suspects if r not in culprits]
+        for req in culprits:
+            if id(req) in marks:
+                req.roll_back(marks[id(req)])   # its last output is what it had committed
+            self._drop(req)
+        failed_at = {}
+        for req in keep:
+            mark = marks.get(id(req)) or req.mark()
+            failed_at[id(req)] = (req, mark.cached)
+            self._recompute(req, mark)
+        if group is not None:       # bisecting already: the failing part replaces the group
+            self._probe.popleft()
+            rest = {k: v for k, v in group.items() if k not in failed_at and v[0] not in culprits}
+            if rest:
+                self._probe.appendleft(rest)
+        if len(failed_at) > 1:
+            items = list(failed_at.items())
+            half = len(items) // 2
+            self._probe.appendleft(dict(items[half:]))
+            self._probe.appendleft(dict(items[:half]))
+        elif failed_at:
+            self._probe.appendleft(failed_at)
+        return culprits
+
+    def _drop(self, req: Request) -> None:
+        """Remove ``req`` wherever it is and free its cache (it ends with an error)."""
+        for queue in (self.waiting, self.prefilling, self.running):
+            if req in queue:
+                queue.remove(req)
+        if req.cache.slot >= 0:
+            self.memory.release(req.cache)
+
+    def _recompute(self, req: Request, mark: Mark) -> None:
+        """Back to ``mark``, its cache state to be computed again by a prefill of its tokens.
+        It keeps its reservation (same slot, same pages) when it still has one."""
+        req.roll_back(mark)
+        for queue in (self.prefilling, self.running):
+            if req in queue:
+                queue.remove(req)
+        if req.cache.slot >= 0:
+            if self.memory.mamba is not None:
+                self.memory.mamba.reset(req.cache.slot)
+            self.prefilling.insert(0, req)
+        elif req not in self.waiting:
+            self.waiting.appendleft(req)
+
+    def _probe_group(self) -> dict[int, tuple[Request, int]] | None:
+        """The suspects that run alone this step (None: everyone runs). Members that finished
+        or left are forgotten; a group none of whose members can run (all waiting for cache)
+        is given up, so nothing waits on it forever."""
+        while self._probe:
+            group = self._probe[0]
+            holding = {id(r) for r in self.prefilling} | {id(r) for r in self.running}
+            for k in [k for k, (r, _) in group.items() if r.finished or k not in holding]:
+                if group[k][0] not in self.waiting:
+                    del group[k]
+            if any(k in holding for k in group):
+                return group
+            self._probe.popleft()
+        return None
+
+    def _probe_passed(self, group: dict[int, tuple[Request, int]]) -> None:
+        """Once every member has run past the point it failed at, the group is cleared."""
+        if all(r.finished or r.num_cached > at for r, at in group.values()):
+            if self._probe and self._probe[0] is group:
+                self._probe.popleft()
 
     # ---- engine loop API (engine/loop.py) ------------------------------------------------------
     def abort(self, rid: object) -> Request | None:

@@ -5,19 +5,21 @@ they never touch tensors."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from blockspec import __version__
 from blockspec.engine.loop import StreamOutput
 from blockspec.server import errors
 from blockspec.server.client import ClientGone, EngineClient, Group, ServerShuttingDown
-from blockspec.server.errors import APIError, error_body
+from blockspec.server.errors import APIError, error_body, error_response
 from blockspec.server.metrics import CONTENT_TYPE, Metrics
 from blockspec.server.middleware import Guard
 from blockspec.server.protocol import (
@@ -25,17 +27,46 @@ from blockspec.server.protocol import (
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     GenerateRequest,
     finish_reason,
     now,
     sse,
     usage,
 )
-from blockspec.server.validate import Prepared, chat_inputs, completion_inputs, generate_inputs
+from blockspec.server.validate import (
+    DEFAULT_MAX_PROMPTS,
+    Prepared,
+    chat_inputs,
+    completion_inputs,
+    generate_inputs,
+)
 
+log = logging.getLogger("blockspec")
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/generate",
                     "/abort_request", "/health", "/metrics"})
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+MODELS = (CompletionRequest, ChatCompletionRequest, GenerateRequest, AbortRequest)
+
+# The responses each route can give, for the OpenAPI schema (every error is ErrorResponse).
+_WHY = {400: "malformed JSON, text that is not UTF-8, or a value out of range (param names it)",
+        401: "missing or wrong API key", 404: "unknown model or request id",
+        413: "request body too large", 422: "wrong shape: a type, an unknown or missing field",
+        429: "too many queued requests", 500: "engine or server failure",
+        503: "shutting down, or the engine is not running"}
+
+
+def _errors(*codes: int) -> dict[int | str, dict]:
+    return {c: {"model": ErrorResponse, "description": _WHY[c]} for c in codes}
+
+
+ANY_ROUTE = _errors(401, 413, 500)
+POSTED = {**ANY_ROUTE, **_errors(400, 404, 422, 429, 503)}
+STREAMED = {**POSTED, 200: {"description": "JSON, or with stream=true server-sent events "
+                                           "ending in 'data: [DONE]'",
+                            "content": {"text/event-stream": {"schema": {
+                                "type": "object", "required": ["data"],
+                                "properties": {"data": {"type": "string"}}}}}}}
 
 
 @dataclass
@@ -68,7 +99,8 @@ def _engine_failure(out: StreamOutput, closing: bool) -> APIError | None:
 
 def create_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
                max_queued_requests: int | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
     """An app serving ``engine``; it does not own it (whoever made the engine shuts it down)."""
     metrics = Metrics(verify_width=engine.verify_width)
     client = EngineClient(engine, metrics, max_queued_requests)
@@ -79,9 +111,21 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         client.begin_shutdown()          # other ASGI servers: end open streams at shutdown
 
     app = FastAPI(title="blockspec", version=_version(), lifespan=lifespan)
+    generated = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's schema with this model's bounds: token ids below the vocabulary size,
+        max_tokens below the context."""
+        if app.openapi_schema is None:
+            schema = copy.deepcopy(generated())     # shares dicts with the models' extras
+            _model_bounds(schema, engine.config.vocab_size, engine.context_length)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.state.client = client
     app.state.metrics = metrics
-    errors.install(app)
+    errors.install(app, MODELS)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics,
                        routes=ROUTES)
     speculative = engine.verify_width > 0
@@ -107,6 +151,10 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         """stream_options.include_usage: one last chunk with no choices and the usage."""
         return lambda choices: [{**base, "choices": [], "usage": usage_of(choices, n)}] if wanted else []
 
+    def stopped() -> str:
+        return (f"the server is {client.closing or 'shutting down'}; this request was stopped "
+                "before it finished")
+
     # ---- shared streaming / collecting ------------------------------------------------------------
     async def collect(group: Group, request: Request) -> list[Choice]:
         choices = [Choice() for _ in group.rids]
@@ -117,7 +165,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                     raise failure
                 choices[i].add(out)
         except ServerShuttingDown:
-            raise APIError(503, "the server is shutting down", code="shutting_down") from None
+            raise APIError(503, stopped(), code="shutting_down") from None
         except ClientGone:
             raise APIError(499, "the client disconnected") from None
         finally:
@@ -146,8 +194,12 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                 yield sse(chunk)
             yield DONE
         except ServerShuttingDown:
-            yield sse(error_body(503, "the server is shutting down; the request was stopped",
-                                 code="shutting_down"))
+            yield sse(error_body(503, stopped(), code="shutting_down"))
+            yield DONE
+        except Exception as e:      # noqa: BLE001 - a stream under way can only end with an event
+            log.exception("a stream failed")
+            yield sse(error_body(500, f"internal error: {type(e).__name__}: {e}",
+                                 code=errors.INTERNAL))
             yield DONE
         finally:
             group.close()
@@ -178,9 +230,9 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                             "bytes": None if "\ufffd" in s else list(s.encode())})
         return {"content": content}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prep = completion_inputs(body, engine, served_model_name)
+        prep = completion_inputs(body, engine, served_model_name, max_prompts_per_request)
         cid = body.rid or f"cmpl-{uuid.uuid4().hex}"
         group = submit(prep, cid, body.stream)
         created = now()
@@ -208,9 +260,9 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
              "logprobs": completion_logprobs(c.logprobs, 0) if prep.return_logprob else None}
             for i, c in enumerate(choices)], "usage": usage_of(choices, prep.n)})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prep = chat_inputs(body, engine, served_model_name)
+        prep = chat_inputs(body, engine, served_model_name, max_prompts_per_request)
         cid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
         group = submit(prep, cid, body.stream)
         base = {"id": cid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
@@ -240,16 +292,16 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
              "finish_reason": finish_reason(c.reason)}
             for i, c in enumerate(choices)], "usage": usage_of(choices, prep.n)})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=ANY_ROUTE)
     async def models() -> dict:
         return {"object": "list", "data": [{"id": served_model_name, "object": "model",
                                             "created": now(), "owned_by": "blockspec",
                                             "max_model_len": engine.context_length}]}
 
     # ---- sglang native --------------------------------------------------------------------------
-    @app.post("/generate")
+    @app.post("/generate", responses=STREAMED)
     async def generate(body: GenerateRequest, request: Request) -> Response:
-        single, items, rids = generate_inputs(body, engine)
+        single, items, rids = generate_inputs(body, engine, max_prompts_per_request)
         base_id = rids[0] if rids and single else f"gen-{uuid.uuid4().hex}"
         group = client.submit(items, base_id=base_id, return_logprob=body.return_logprob,
                               stream=body.stream, rids=rids)
@@ -264,7 +316,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         results = [{"text": c.text, "output_ids": c.ids, "meta_info": c.meta} for c in choices]
         return JSONResponse(results[0] if single else results)
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", responses=POSTED)
     async def abort_request(body: AbortRequest) -> dict:
         if body.rid is None and not body.abort_all:
             raise APIError(400, "give rid or abort_all=true", param="rid")
@@ -275,18 +327,40 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         return {"aborted": hits}
 
     # ---- operations ---------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", responses={**ANY_ROUTE, **_errors(503)})
     async def health() -> Response:
-        if client.closing is not None or not engine.stats().alive:
-            return JSONResponse(error_body(503, "the server is shutting down" if client.closing
-                                           else "the engine loop is not running"), status_code=503)
+        if client.closing is not None or client.draining or not engine.stats().alive:
+            return error_response(503, "the engine loop is not running"
+                                  if not engine.stats().alive else "the server is shutting down")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        **ANY_ROUTE, 200: {"description": "Prometheus text format",
+                           "content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}})
     async def metrics_route() -> Response:
         return Response(metrics.render(engine.stats()), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _model_bounds(schema: dict, vocab: int, context: int) -> None:
+    """Put the served model's vocabulary and context into the request schemas, in place."""
+    def walk(node: Any, field: str | None) -> None:
+        if isinstance(node, dict):
+            if (field in ("prompt", "input_ids", "stop_token_ids")
+                    and node.get("type") == "integer" and "minimum" in node):
+                node["maximum"] = vocab - 1
+            if field in ("max_tokens", "max_completion_tokens") and node.get("type") == "integer":
+                node["maximum"] = context - 1
+            for key, value in node.items():
+                walk(value, key if key not in ("anyOf", "items", "not") else field)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value, field)
+
+    for body in schema.get("components", {}).get("schemas", {}).values():
+        for name, prop in body.get("properties", {}).items():
+            walk(prop, name)
 
 
 def _version() -> str:

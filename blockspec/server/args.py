@@ -25,16 +25,19 @@ class ServerArgs:
     max_queued_requests: int | None = _arg(None, "answer 429 once this many requests wait for "
                                                  "cache; unset: no limit")
     max_request_bytes: int = _arg(32 * 1024 * 1024, "largest request body; larger ones get 413")
-    graceful_shutdown_timeout: float = _arg(10.0, "seconds responses get to finish after "
-                                                  "SIGINT/SIGTERM (streams end at once with an "
-                                                  "error event)")
+    max_prompts_per_request: int = _arg(256, "most sequences (prompts x n) one request may ask "
+                                             "for; more get 400. Admission shares the engine "
+                                             "out between requests round-robin either way")
+    graceful_shutdown_timeout: float = _arg(10.0, "after SIGINT/SIGTERM: seconds the running "
+                                                  "and queued requests get to finish (new ones "
+                                                  "get 503); then the rest end with an error")
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
-        for name in ("max_queued_requests", "max_request_bytes"):
+        for name in ("max_queued_requests", "max_request_bytes", "max_prompts_per_request"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

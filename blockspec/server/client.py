@@ -83,13 +83,15 @@ class EngineClient:
         self.metrics = metrics
         self.max_queued = max_queued_requests
         self.groups: dict[str, Group] = {}
-        self.closing: str | None = None
+        self.closing: str | None = None       # set: every open group is being ended
+        self.draining = False                 # set: new requests are refused, open ones go on
 
     def submit(self, items: list[Item], *, base_id: str, return_logprob: bool, stream: bool,
                rids: list[str] | None = None) -> Group:
         """Queue every item or none (APIError: 503 closing, 429 queue full, 400 refused)."""
-        if self.closing is not None:
-            raise APIError(503, f"the server is {self.closing}", code="shutting_down")
+        if self.closing is not None or self.draining:
+            raise APIError(503, "the server is shutting down and takes no new requests",
+                           code="shutting_down")
         stats = self.engine.stats()
         if not stats.alive:
             raise APIError(503, "the engine is not running", code="engine_dead")
@@ -114,14 +116,15 @@ class EngineClient:
         try:
             for rid, item in zip(rids, items):
                 self.engine.submit(item.prompt_ids, item.params, sink_for(RequestTimer()),
-                                   return_logprob=return_logprob, stream=stream, rid=rid)
+                                   return_logprob=return_logprob, stream=stream, rid=rid,
+                                   group=group)
                 done.append(rid)
         except (GenerateError, ValueError, EngineClosedError) as e:
             for rid in done:
                 self.engine.abort(rid)
             if isinstance(e, EngineClosedError):
                 raise APIError(503, "the engine is shut down", code="engine_dead") from None
-            raise APIError(400, str(e)) from None
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
         self.groups[base_id] = group
         return group
 
@@ -138,6 +141,10 @@ class EngineClient:
         for r in targets:
             hits += await asyncio.to_thread(self.engine.abort, r, 10.0)
         return hits
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (503); the ones already in go on until they finish."""
+        self.draining = True
 
     def begin_shutdown(self, reason: str = "shutting down") -> None:
         """Refuse new requests; end every open group with ServerShuttingDown and abort its

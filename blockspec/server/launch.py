@@ -4,6 +4,8 @@ here first, so a busy port is one clear error instead of uvicorn exiting the pro
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import signal
 import socket
 import sys
@@ -22,10 +24,17 @@ from blockspec.server.app import create_app
 from blockspec.server.args import ServerArgs, server_args
 from blockspec.server.client import EngineClient
 
+log = logging.getLogger("blockspec")
+
 
 class _Server(uvicorn.Server):
-    """uvicorn, plus: say where it listens once it does, and end the open streams (error event)
-    before waiting for connections to close, so shutdown never waits on a stream."""
+    """uvicorn, plus: say where it listens once it does, and drain on shutdown: stop accepting
+    and refuse new requests at once, give the running and queued ones up to
+    --graceful-shutdown-timeout to finish (streams to send their last chunk), then end the rest
+    with a clear error (an error event and [DONE] for a stream, 503 otherwise) before uvicorn
+    waits for the connections, so shutdown never waits longer than that."""
+
+    FLUSH_S = 5.0           # for the ended requests' last bytes to reach their clients
 
     def __init__(self, config: uvicorn.Config, client: EngineClient,
                  on_started: Callable[[str], None] | None) -> None:
@@ -39,7 +48,25 @@ class _Server(uvicorn.Server):
             self.on_started(f"http://{host if ':' not in host else f'[{host}]'}:{port}")
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self.client.begin_shutdown()
+        self.client.begin_drain()
+        for server in self.servers:
+            server.close()                      # no new connections
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()               # idle ones close, busy ones after their answer
+        drain = self.config.timeout_graceful_shutdown or 0.0
+        loop = asyncio.get_running_loop()
+        end = loop.time() + drain
+        while self.client.groups and loop.time() < end and not self.force_exit:
+            await asyncio.sleep(0.05)
+        if self.client.groups:
+            pending = sum(len(g.pending) for g in self.client.groups.values())
+            log.warning("graceful shutdown: %d request(s) still running after %g s; ending them",
+                        pending, drain)
+        self.client.begin_shutdown(f"shutting down: requests get {drain:g} s to finish "
+                                   "(--graceful-shutdown-timeout)")
+        self.config.timeout_graceful_shutdown = self.FLUSH_S
         await super().shutdown(sockets)
 
 
@@ -64,7 +91,8 @@ def build_server(engine: Any, args: ServerArgs,
                  on_started: Callable[[str], None] | None = None) -> _Server:
     app = create_app(engine, served_model_name=served_name(engine, args), api_key=args.api_key,
                      max_queued_requests=args.max_queued_requests,
-                     max_body_bytes=args.max_request_bytes)
+                     max_body_bytes=args.max_request_bytes,
+                     max_prompts_per_request=args.max_prompts_per_request)
     config = uvicorn.Config(app, log_level=engine.args.log_level.lower(), access_log=False,
                             lifespan="on", timeout_graceful_shutdown=args.graceful_shutdown_timeout)
     return _Server(config, app.state.client, on_started)

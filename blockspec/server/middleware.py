@@ -1,15 +1,25 @@
-"""One pure ASGI middleware in front of every route: API key (401), body size (413) and the
-per-route request counter. Pure ASGI rather than ``BaseHTTPMiddleware``, which would buffer
-streaming responses and hide client disconnects from them. It runs before the body is parsed,
-so a wrong key is answered 401 even when the body is also malformed."""
+"""One pure ASGI middleware in front of every route: API key (401), body size (413), the
+per-route request counter, and the answer to an exception no handler caught (500). Pure ASGI
+rather than ``BaseHTTPMiddleware``, which would buffer streaming responses and hide client
+disconnects from them. It runs before the body is parsed, so a wrong key is answered 401 even
+when the body is also malformed.
+
+The 500 is answered here rather than by an exception handler for ``Exception``: Starlette runs
+that one in its outermost middleware and re-raises after it, and uvicorn then closes the
+connection, so the client's next request on a keep-alive connection would fail too. Here the
+exception ends with the response, and the connection lives on."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from blockspec.server.errors import error_json
+from blockspec.server.errors import INTERNAL, error_json
 from blockspec.server.metrics import Metrics
+
+log = logging.getLogger("blockspec")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -30,6 +40,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         status = [500]
+        started = [False]
         answered = [False]      # we replied ourselves (413 mid-body): drop the app's reply
 
         async def send_counted(message: Message) -> None:
@@ -37,6 +48,7 @@ class Guard:
                 return
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                started[0] = True
             await send(message)
 
         try:
@@ -45,6 +57,14 @@ class Guard:
                 await _reply(send_counted, *rejected)
                 return
             await self.app(scope, self._limited(receive, send_counted, answered), send_counted)
+        except Exception as e:      # noqa: BLE001 - answered, never re-raised (see above)
+            log.exception("unhandled error in a request handler")
+            if not started[0] and not answered[0]:
+                status[0] = 500
+                with contextlib.suppress(Exception):        # the client may be gone already
+                    await _reply(send_counted, 500, error_json(
+                        500, f"internal error: {type(e).__name__}: {e}", code=INTERNAL))
+            # else a response is under way and cannot become an error; it ends unfinished
         finally:
             path = scope["path"]
             self.metrics.http.labels(route=path if path in self.routes else "other",

@@ -1,24 +1,98 @@
 """Wire format: pydantic models of the request bodies (OpenAI's, plus sglang's native /generate)
 and the dicts the responses are made of.
 
-Models check shapes only (strict types, no unknown fields: a typo such as ``temprature`` is an
-error, not a silent default). Values (ranges, context length, vocabulary) are checked in
-``validate.py`` so each error can name its field and say what was expected."""
+Models check shapes (strict types, no unknown fields: a typo such as ``temprature`` is an
+error, not a silent default), the ranges a field can always be checked against (the bounds are
+sampling.py's, the ones the engine itself enforces) and that every text encodes as UTF-8; the
+OpenAPI schema is generated from them, so it says what the server accepts. Values that depend
+on the model (context length, vocabulary) are checked in ``validate.py``."""
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from blockspec.sampling import FLOAT32_MAX, SEED_LIMIT, TOP_K_MAX, not_utf8
+
+MAX_N = 128
+TEXT_ERROR = "text_not_utf8"          # the pydantic error type errors.py answers with 400
+
+
+def _path(parts: list[str | int]) -> str:
+    """['messages', 1, 'content'] -> 'messages[1].content'; a key that is not UTF-8 itself is
+    written with backslash escapes (the path goes into an error message)."""
+    out = ""
+    for part in parts:
+        if isinstance(part, str):
+            part = part.encode("utf-8", "backslashreplace").decode("utf-8")
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def bad_text(value: Any, where: list[str | int] | None = None) -> tuple[str, str] | None:
+    """(path, message) of the first string (or object key) in a parsed JSON value that UTF-8
+    cannot encode (a lone surrogate such as "\\ud800"), else None."""
+    where = where or []
+    if isinstance(value, str):
+        at = not_utf8(value)
+        if at is not None:
+            return _path(where), f"character {at} is {value[at]!r} (a lone surrogate)"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and not_utf8(k) is not None:
+                return _path(where + [k]), "the key is not UTF-8 (a lone surrogate)"
+            found = bad_text(v, where + [k])
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = bad_text(v, where + [i])
+            if found:
+                return found
+    return None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8(cls, data: Any) -> Any:
+        """Text a tokenizer or a response encoder cannot take is refused here, by path."""
+        found = bad_text(data)
+        if found is not None:
+            where, what = found
+            raise PydanticCustomError(TEXT_ERROR, "{param} is not UTF-8 text: {what}",
+                                      {"param": where, "what": what})
+        return data
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+# The schema of fields typed Any (their shapes are checked in validate.py, with messages that
+# name what was expected); JSON schema for what the server accepts.
+_TEXT = {"type": "string", "minLength": 1}
+_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+PROMPT_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT}, _IDS,
+                           {"type": "array", "minItems": 1, "items": _IDS}]}
+STOP_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT}, {"type": "null"}]}
+ONLY_ZERO = {"anyOf": [{"type": "number", "minimum": 0, "maximum": 0}, {"type": "null"}]}
+
+def integral(value: Any) -> Any:
+    """JSON Schema counts 5.0 as an integer, so the server takes it as 5 (any other float
+    stays a type error)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(integral)]     # constraints go before the validator,
+                                                    # else the schema shows "ge" for "minimum"
+Token = Annotated[int, Field(ge=0), BeforeValidator(integral)]
+AtLeastOne = Annotated[int, Field(ge=1), BeforeValidator(integral)]
 
 
 class JsonSchemaFormat(_Body):
@@ -42,21 +116,24 @@ class _Sampling(_Body):
     ``stop_token_ids`` are sglang's extensions (send them with the client's ``extra_body``)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    stop: Any = None                      # str | list[str]; checked in validate.py
-    stop_token_ids: list[int] | None = None
+    max_tokens: AtLeastOne | None = None
+    temperature: float | None = Field(None, ge=0, le=FLOAT32_MAX,
+                                      description=">= 0 (0 = greedy) and at most 3.4e38")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: Annotated[int, Field(ge=-1, le=TOP_K_MAX), BeforeValidator(integral)] | None = Field(
+        None, description="-1 (off) or in [1, 2**31 - 1]", json_schema_extra={"not": {"const": 0}})
+    min_p: float | None = Field(None, ge=0, le=1)
+    stop: Any = Field(None, json_schema_extra=STOP_SCHEMA)       # str | list[str]
+    stop_token_ids: list[Token] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
-    n: int = 1
+    seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT), BeforeValidator(integral)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(integral)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None       # accepted when 0 (not implemented otherwise)
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # accepted when 0 (penalties are not implemented)
+    presence_penalty: float | None = Field(None, json_schema_extra=ONLY_ZERO)
+    frequency_penalty: float | None = Field(None, json_schema_extra=ONLY_ZERO)
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     user: str | None = None
     rid: str | None = None                      # request id (sglang); abort it by this id
     response_format: ResponseFormat | None = None   # structured output (text: no constraint)
@@ -65,11 +142,11 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Any                           # str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: Any = Field(json_schema_extra=PROMPT_SCHEMA)
+    logprobs: Int | None = Field(None, json_schema_extra={"anyOf": [{"const": 0}, {"type": "null"}]})
+    echo: bool = Field(False, json_schema_extra={"const": False})
+    suffix: str | None = Field(None, json_schema_extra={"anyOf": [{"const": ""}, {"type": "null"}]})
+    best_of: Int | None = None
 
 
 class TextPart(_Body):
@@ -84,17 +161,19 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: AtLeastOne | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = Field(None, json_schema_extra={"anyOf": [{"const": 0},
+                                                                         {"type": "null"}]})
 
 
 class GenerateRequest(_Body):
     """sglang's native /generate: text or input_ids (one or a batch) + sampling_params."""
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[Int] | list[list[Int]] | None = Field(None, json_schema_extra={
+        "anyOf": [_IDS, {"type": "array", "minItems": 1, "items": _IDS}, {"type": "null"}]})
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
     stream: bool = False
@@ -102,8 +181,25 @@ class GenerateRequest(_Body):
 
 
 class AbortRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": ["rid"], "properties": {"rid": {"type": "string"}}},
+        {"required": ["abort_all"], "properties": {"abort_all": {"const": True}}}]})
+
     rid: str | None = None
     abort_all: bool = False
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server answers, OpenAI's shape."""
+
+    error: ErrorDetail
 
 
 # ---- responses -------------------------------------------------------------------------------

@@ -1,19 +1,30 @@
 """Parsed request -> engine inputs (prompt token ids and SamplingParams), or an APIError that
-names the field and says what was expected. Every value check lives here, so a bad request is
-refused before anything is queued."""
+names the field and says what was expected. Nothing is queued before every check has passed.
+
+The value checks are the engine's own (``SamplingParams.validate``, ``check_token_ids``,
+``check_context``, the same ones ``Engine.check_request`` runs for the offline API and the
+CLI), called with the request's field names, so every way in refuses the same values with the
+same words. What only the HTTP API has (n, model, stream_options, the OpenAI fields the engine
+does not implement, the cap on prompts per request) is checked here."""
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
-from blockspec.sampling import SamplingParams, SamplingParamsError
+from blockspec.engine.engine import GenerateError, check_context, check_token_ids
+from blockspec.sampling import SEED_LIMIT, SamplingParams, SamplingParamsError
 from blockspec.server.errors import APIError
-from blockspec.server.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest,
-                                       _Sampling)
+from blockspec.server.protocol import (
+    MAX_N,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    _Sampling,
+)
 
-MAX_N = 128
-SEED_LIMIT = 2**64
+DEFAULT_MAX_PROMPTS = 256
+T = TypeVar("T")
 
 
 @dataclass
@@ -35,6 +46,23 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> API
     return APIError(400, message, param=param, code=code)
 
 
+def engine_checked(check: Callable[[], T], rename: dict[str, str] | None = None,
+                   code: str | None = None) -> T:
+    """Run one of the engine's checks; its error becomes a 400 naming the request's field
+    (``rename``: engine argument -> field, e.g. max_new_tokens -> max_tokens)."""
+    try:
+        return check()
+    except (GenerateError, SamplingParamsError) as e:
+        param = e.param
+        if param is not None and rename:
+            head, dot, rest = param.partition(".")
+            param = rename.get(param) or (rename[head] + dot + rest if head in rename else param)
+        message = str(e)
+        for old, new in (rename or {}).items():
+            message = message.replace(old, new)
+        raise _bad(message, param, code) from None
+
+
 def check_model(name: str | None, served: str) -> None:
     if name is not None and name != served:
         raise APIError(404, f"model {name!r} does not exist; this server serves {served!r}",
@@ -42,51 +70,31 @@ def check_model(name: str | None, served: str) -> None:
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An int, or a float JSON Schema counts as one (5.0)."""
+    return (isinstance(x, int) and not isinstance(x, bool)) or (
+        isinstance(x, float) and x.is_integer())
 
 
-def _number(name: str, value: float | None, default: float, lo: float, hi: float,
-            lo_open: bool = False) -> float:
-    if value is None:
-        return default
-    if not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo):
-        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if math.isfinite(hi) else f">= {lo:g}"
-        raise _bad(f"{name} must be {'in ' if math.isfinite(hi) else ''}{interval}, got {value}", name)
-    return float(value)
+def _ints(xs: list) -> list[int]:
+    return [int(x) for x in xs]
 
 
-def _stops(stop: Any) -> list[str] | None:
-    if stop is None:
-        return None
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise _bad("stop must be a string or a list of strings", "stop")
-    if any(not s for s in stops):
-        raise _bad("stop strings must not be empty", "stop")
-    return stops or None
-
-
-def _check_ids(ids: list[int], vocab: int, param: str) -> None:
-    if not ids:
-        raise _bad(f"{param} is empty: give at least one token", param)
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise _bad(f"{param}: token id(s) {bad[:5]} outside the vocabulary [0, {vocab})", param)
+def _ids(ids: list[int], vocab: int, param: str) -> None:
+    engine_checked(lambda: check_token_ids(ids, vocab, param))
 
 
 def _max_tokens(value: int | None, prompt_len: int, context: int, prompt_param: str,
                 default: int | None) -> int:
-    if prompt_len >= context:
-        raise _bad(f"the prompt has {prompt_len} tokens but the context holds {context} "
-                   f"(prompt + output); shorten the prompt", prompt_param, "context_length_exceeded")
+    """max_tokens, or the default that fits; an error when prompt + max_tokens pass the
+    context (both numbers named)."""
+    wanted = value if value is not None else 1
+    engine_checked(lambda: check_context(prompt_len, wanted, context, prompt_param=prompt_param,
+                                         tokens_param="max_tokens"),
+                   code="context_length_exceeded")
     if value is None:
         return min(default, context - prompt_len) if default is not None else context - prompt_len
     if value < 1:
         raise _bad(f"max_tokens must be >= 1, got {value}", "max_tokens")
-    if prompt_len + value > context:
-        raise _bad(f"the prompt has {prompt_len} tokens and max_tokens is {value}, together more "
-                   f"than the context of {context} tokens; lower max_tokens to at most "
-                   f"{context - prompt_len}", "max_tokens", "context_length_exceeded")
     return value
 
 
@@ -121,30 +129,31 @@ def _grammar(req: _Sampling, engine: Any) -> dict[str, Any]:
     return fields
 
 
-def _sampling(req: _Sampling, max_new_tokens: int, grammar: dict[str, Any] | None = None) -> SamplingParams:
+def _sampling(req: _Sampling, max_new_tokens: int, vocab: int,
+              grammar: dict[str, Any] | None = None) -> SamplingParams:
     if req.presence_penalty or req.frequency_penalty:
         raise _bad("presence_penalty and frequency_penalty are not supported (only 0)",
                    "presence_penalty" if req.presence_penalty else "frequency_penalty")
     if req.logit_bias:
         raise _bad("logit_bias is not supported", "logit_bias")
-    if req.top_k is not None and req.top_k != -1 and req.top_k < 1:
-        raise _bad(f"top_k must be -1 (off) or >= 1, got {req.top_k}", "top_k")
-    if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
-        raise _bad(f"seed must be in [0, 2**64), got {req.seed}", "seed")
-    if req.stop_token_ids is not None and any(t < 0 for t in req.stop_token_ids):
-        raise _bad("stop_token_ids must be >= 0", "stop_token_ids")
     params = SamplingParams(
         max_new_tokens=max_new_tokens,
-        temperature=_number("temperature", req.temperature, 1.0, 0.0, math.inf),
-        top_p=_number("top_p", req.top_p, 1.0, 0.0, 1.0, lo_open=True),
+        temperature=req.temperature if req.temperature is not None else 1.0,
+        top_p=req.top_p if req.top_p is not None else 1.0,
         top_k=req.top_k if req.top_k is not None else -1,
-        min_p=_number("min_p", req.min_p, 0.0, 0.0, 1.0),
-        stop=_stops(req.stop), stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+        min_p=req.min_p if req.min_p is not None else 0.0,
+        stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
         seed=req.seed, **(grammar or {}))
-    try:
-        params.validate()
-    except SamplingParamsError as e:       # a backstop: the checks above should catch it first
-        raise _bad(str(e)) from None
+    return validated(params, vocab, {"max_new_tokens": "max_tokens"})
+
+
+def validated(params: SamplingParams, vocab: int, rename: dict[str, str] | None = None
+              ) -> SamplingParams:
+    """The engine's sampling checks: ranges the step holds, stop_token_ids in the vocabulary."""
+    engine_checked(params.validate, rename)
+    if params.stop_token_ids:
+        engine_checked(lambda: check_token_ids(list(params.stop_token_ids), vocab,
+                                               "stop_token_ids"), rename)
     return params
 
 
@@ -164,7 +173,18 @@ def _common(req: _Sampling, served: str) -> None:
         raise _bad("stream_options is only allowed with stream=true", "stream_options")
 
 
-def completion_inputs(req: CompletionRequest, engine: Any, served: str) -> Prepared:
+def _cap(prompts: int, n: int, limit: int, param: str) -> None:
+    """One request makes at most ``limit`` engine requests (prompts x n), so none can take
+    the whole engine (admission also shares it out round-robin between requests)."""
+    if prompts * n > limit:
+        what = f"{prompts} prompts x n={n}" if n > 1 else f"{prompts} prompts"
+        raise _bad(f"{param}: {what} = {prompts * n} sequences, more than the "
+                   f"{limit} one request may ask for (--max-prompts-per-request); split it",
+                   param if n == 1 else "n", "too_many_prompts")
+
+
+def completion_inputs(req: CompletionRequest, engine: Any, served: str,
+                      max_prompts: int = DEFAULT_MAX_PROMPTS) -> Prepared:
     _common(req, served)
     if req.echo:
         raise _bad("echo is not supported", "echo")
@@ -175,40 +195,43 @@ def completion_inputs(req: CompletionRequest, engine: Any, served: str) -> Prepa
     if req.logprobs is not None and req.logprobs != 0:
         raise _bad("logprobs must be 0 (the chosen tokens' logprobs): top alternatives are "
                    f"not supported, got {req.logprobs}", "logprobs")
-    prompts = _prompts(req.prompt, engine)
+    prompts = _prompts(req.prompt, engine, req.n, max_prompts)
     grammar = _grammar(req, engine)
     items = []
     for ids in prompts:
         mx = _max_tokens(req.max_tokens, len(ids), engine.context_length, "prompt", default=16)
-        params = _sampling(req, mx, grammar)
+        params = _sampling(req, mx, engine.config.vocab_size, grammar)
         items += [Item(ids, p) for p in _children(params, req.n)]
     return Prepared(items, req.n, return_logprob=req.logprobs is not None)
 
 
-def _prompts(prompt: Any, engine: Any) -> list[list[int]]:
+def _prompts(prompt: Any, engine: Any, n: int, max_prompts: int) -> list[list[int]]:
     """str | list[str] | list[int] | list[list[int]] -> token id lists."""
+    vocab = engine.config.vocab_size
     if isinstance(prompt, str):
         texts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         texts = prompt
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        _check_ids(prompt, engine.config.vocab_size, "prompt")
-        return [list(prompt)]
+        _cap(1, n, max_prompts, "prompt")
+        _ids(_ints(prompt), vocab, "prompt")
+        return [_ints(prompt)]
     elif (isinstance(prompt, list) and prompt
           and all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)):
-        for p in prompt:
-            _check_ids(p, engine.config.vocab_size, "prompt")
-        return [list(p) for p in prompt]
+        _cap(len(prompt), n, max_prompts, "prompt")
+        for i, p in enumerate(prompt):
+            _ids(_ints(p), vocab, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
+        return [_ints(p) for p in prompt]
     elif isinstance(prompt, list) and not prompt:
         raise _bad("prompt is empty", "prompt")
     else:
         raise _bad("prompt must be a string, a list of strings, a list of token ids or a list "
                    "of lists of token ids", "prompt")
+    _cap(len(texts), n, max_prompts, "prompt")
     tok = _tokenizer(engine, "prompt")
-    ids = [tok.encode(t) for t in texts]
-    for x in ids:
-        if not x:
-            raise _bad("prompt is empty: give at least one token", "prompt")
+    ids = [tok.encode(t) for t in texts]       # texts are UTF-8: protocol.py checked them
+    if not all(ids):
+        raise _bad("prompt is empty: give at least one token", "prompt")
     return ids
 
 
@@ -219,8 +242,10 @@ def _tokenizer(engine: Any, param: str) -> Any:
     return engine.tokenizer
 
 
-def chat_inputs(req: ChatCompletionRequest, engine: Any, served: str) -> Prepared:
+def chat_inputs(req: ChatCompletionRequest, engine: Any, served: str,
+                max_prompts: int = DEFAULT_MAX_PROMPTS) -> Prepared:
     _common(req, served)
+    _cap(1, req.n, max_prompts, "messages")
     if not req.messages:
         raise _bad("messages is empty: give at least one message", "messages")
     if req.top_logprobs is not None:
@@ -243,26 +268,35 @@ def chat_inputs(req: ChatCompletionRequest, engine: Any, served: str) -> Prepare
     ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     mx = _max_tokens(wanted, len(ids), engine.context_length, "messages", default=None)
-    params = _sampling(req, mx, _grammar(req, engine))
+    params = _sampling(req, mx, engine.config.vocab_size, _grammar(req, engine))
     return Prepared([Item(ids, p) for p in _children(params, req.n)], req.n,
                     return_logprob=req.logprobs)
 
 
-def generate_inputs(req: GenerateRequest, engine: Any) -> tuple[bool, list[Item], list[str] | None]:
+def generate_inputs(req: GenerateRequest, engine: Any, max_prompts: int = DEFAULT_MAX_PROMPTS,
+                    ) -> tuple[bool, list[Item], list[str] | None]:
     """(single, items, rids) for sglang's /generate."""
     if (req.text is None) == (req.input_ids is None):
         raise _bad("give exactly one of text or input_ids", "text")
+    vocab = engine.config.vocab_size
     if req.text is not None:
         single = isinstance(req.text, str)
+        texts = [req.text] if single else req.text
+        if not texts:
+            raise _bad("text is empty: give at least one prompt", "text")
+        _cap(len(texts), 1, max_prompts, "text")
         tok = _tokenizer(engine, "text")
-        prompts = [tok.encode(t) for t in ([req.text] if single else req.text)]
-        param = "text"
+        prompts = [tok.encode(t) for t in texts]
+        params = ["text" if single else f"text[{i}]" for i in range(len(texts))]
     else:
         single = bool(req.input_ids) and all(_is_int(t) for t in req.input_ids)
         prompts = [req.input_ids] if single else list(req.input_ids)
-        param = "input_ids"
-    for ids in prompts:
-        _check_ids(ids, engine.config.vocab_size, param)
+        if not prompts:
+            raise _bad("input_ids is empty: give at least one token", "input_ids")
+        _cap(len(prompts), 1, max_prompts, "input_ids")
+        params = ["input_ids" if single else f"input_ids[{i}]" for i in range(len(prompts))]
+    for ids, param in zip(prompts, params):
+        _ids(ids, vocab, param)
     sps = req.sampling_params
     sps = sps if isinstance(sps, list) else [sps] * len(prompts)
     if len(sps) != len(prompts):
@@ -273,14 +307,20 @@ def generate_inputs(req: GenerateRequest, engine: Any) -> tuple[bool, list[Item]
         raise _bad(f"rid has {len(rids)} entries for {len(prompts)} prompts", "rid")
     items = []
     context = engine.context_length
-    for ids, sp in zip(prompts, sps):
+    for i, (ids, sp, param) in enumerate(zip(prompts, sps, params)):
+        where = "sampling_params" if not isinstance(req.sampling_params, list) else \
+            f"sampling_params[{i}]"
         try:
-            params = SamplingParams.from_dict(sp)
-        except (SamplingParamsError, TypeError) as e:
+            sampling = SamplingParams.from_dict(sp)
+        except SamplingParamsError as e:
+            raise _bad(f"sampling_params: {e}",
+                       f"{where}.{e.param}" if e.param else "sampling_params") from None
+        except TypeError as e:
             raise _bad(f"sampling_params: {e}", "sampling_params") from None
-        if len(ids) >= context or len(ids) + params.max_new_tokens > context:
-            raise _bad(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                       f"exceeds the context of {context} tokens", "sampling_params",
-                       "context_length_exceeded")
-        items.append(Item(list(ids), params))
+        validated(sampling, vocab, {"stop_token_ids": f"{where}.stop_token_ids"})
+        engine_checked(lambda: check_context(len(ids), sampling.max_new_tokens, context,
+                                             prompt_param=param,
+                                             tokens_param="max_new_tokens"),
+                       {"max_new_tokens": f"{where}.max_new_tokens"}, "context_length_exceeded")
+        items.append(Item(list(ids), sampling))
     return single, items, rids
