@@ -136,8 +136,8 @@ class GrammarCompiler:
         compiler = self._ready()
         try:
             if kind == "json_schema":
-                # compact separators, no free whitespace: a model cannot stall in a whitespace
-                # run, and the output is one line as json.dumps writes it
+                # no free whitespace: a model cannot stall in a whitespace run, and the
+                # output is one line with json.dumps's default separators (", " and ": ")
                 compiled = compiler.compile_json_schema(text, any_whitespace=False)
             elif kind == "json_object":
                 compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)

@@ -155,3 +155,52 @@ def test_a_new_graph_size_comes_with_every_smaller_size_it_lacks(tmp_path):
     finally:
         runner.graphs = None
         e.shutdown()
+
+
+SCHEMA = '{"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}'
+
+
+def test_json_schema_bench_constrains_every_sequence(tmp_path, monkeypatch):
+    """--json-schema: every measured sequence is valid-so-far JSON of the schema (the grammar
+    ran), and steps are counted from the tokens produced."""
+    pytest.importorskip("xgrammar")
+    from blockspec.bench import engine_bench
+    from blockspec.engine import Engine
+
+    schema = tmp_path / "s.json"
+    schema.write_text(SCHEMA)
+    seen = []
+    real = Engine.generate
+
+    def spy(self, *a, **kw):
+        outs = real(self, *a, **kw)
+        seen.append((self.tokenizer, outs))
+        return outs
+
+    monkeypatch.setattr(Engine, "generate", spy)
+    rows = engine_bench.run(_args(device="cpu", input_len=4, output_len=12, batch_size=[2],
+                                  repeats=1, json_schema=str(schema)))
+    assert rows[0]["json_schema"] == str(schema) and rows[0]["step_ms"] > 0
+    tok, outs = seen[-1]
+    for o in outs:
+        text = tok.decode(o["output_ids"])
+        assert text.startswith('{"answer": "'), text      # the schema's only way to begin
+
+
+def test_json_schema_and_simulated_acceptance_are_refused_together(tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text(SCHEMA)
+    with pytest.raises(ValueError, match="ignore the grammar"):
+        run(_args(device="cpu", random_draft="dflash", simulate_accept_length=2.0,
+                  json_schema=str(schema), repeats=1))
+
+
+def test_synthetic_tokenizer_has_the_size_asked_and_json_pieces(tmp_path):
+    from blockspec.bench.synthetic_tokenizer import synthetic_tokenizer
+
+    tok = synthetic_tokenizer(5000, tmp_path / "v")
+    assert tok.vocab_size == 5000 and tok.eos_token_id == 4999
+    pieces = tok.backend.get_vocab()
+    assert len(pieces) == 5000
+    assert any('"' in p and len(p) > 1 for p in pieces)           # multi-char pieces with quotes
+    assert synthetic_tokenizer(5000, tmp_path / "w").backend.get_vocab() == pieces   # deterministic

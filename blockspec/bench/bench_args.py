@@ -49,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--simulate-accept-length", type=float, metavar="TAU",
                    help="force the mean tokens committed per verify (bonus included) to TAU, as if "
                         "a trained draft were attached (sglang's simulated acceptance); default: off")
+    p.add_argument("--json-schema", metavar="FILE",
+                   help="constrain every sequence to this JSON schema (structured output), to "
+                        "measure the grammar mask's cost; a preset gets a synthetic byte-level "
+                        "vocabulary of its size; default: unconstrained")
     p.add_argument("--batch-size", type=_int_list, default=[1], metavar="N[,N...]",
                    help="sequences decoded together; a list runs each size on the same model")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence")

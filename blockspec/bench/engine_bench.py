@@ -3,7 +3,7 @@
     blockspec bench [--model-path P | --preset lightning-mini|nemotron-3.5-lightning|tiny
         [--quantized]] [--random-draft dflash|dspark [--simulate-accept-length TAU]]
         --batch-size 1,4,16,64 --input-len 128 --output-len 64 [--compare-eager]
-        [--compare-transformers]
+        [--compare-transformers] [--json-schema FILE]
 
 Presets are random models built directly on the device; nothing is written to disk. One JSON
 line per (batch size, graphs on/off) and one for transformers when asked.
@@ -15,6 +15,9 @@ uniform routing, D(n) = E (1 - (1 - k/E)^n) for n = batch x verify width tokens 
 k of E experts; an expert is missed by all n with probability (1 - k/E)^n). The floor is those
 bytes at the H200's 4.8 TB/s (NVIDIA's HBM3e figure; a device copy measures about 4.2-4.3 TB/s,
 so 100 % of the floor is out of reach).
+
+``--json-schema`` constrains every sequence to a schema; a sequence may then end before
+``--output-len`` (when its JSON closes), so steps are counted from the tokens produced.
 """
 from __future__ import annotations
 
@@ -24,11 +27,13 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from blockspec.bench import presets
 from blockspec.bench.presets import preset_config
+from blockspec.bench.synthetic_tokenizer import synthetic_tokenizer
 from blockspec.checkpoint import DTYPES
 from blockspec.engine import Engine
 from blockspec.engine.engine import resolve_device
@@ -93,7 +98,8 @@ def build_engine(args: argparse.Namespace, max_bs: int):
         block = width if args.random_draft == "dflash" else width - 1
         draft = presets.build_draft(args.random_draft, cfg, block, device, dtype)
     label = f"random:{args.preset}" + (":lightning-quant" if args.quantized else "")
-    return Engine.from_model(model, draft=draft, **common), label
+    tokenizer = synthetic_tokenizer(cfg["vocab_size"]) if args.json_schema else None
+    return Engine.from_model(model, draft=draft, tokenizer=tokenizer, **common), label
 
 
 def measure(engine, batch: int, args: argparse.Namespace) -> dict:
@@ -104,6 +110,8 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
     vocab = engine.config.vocab_size
     prompts = [torch.randint(3, vocab, (args.input_len,), generator=g).tolist() for _ in range(batch)]
     sp = {"max_new_tokens": args.output_len, "temperature": args.temperature, "ignore_eos": True}
+    if args.json_schema:
+        sp["json_schema"] = Path(args.json_schema).read_text()
 
     def timed(params: dict) -> tuple[float, list[dict]]:
         _sync(engine.device)
@@ -130,12 +138,13 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
         width = engine.drafter.width
         tau = statistics.mean(o["meta_info"]["spec_accept_length"] for o in outs)
     else:
-        steps, width, tau = args.output_len - 1, 1, 1.0
+        steps, width, tau = max(len(o["output_ids"]) for o in outs) - 1, 1, 1.0
     step_s = decode / max(steps, 1)
     wbytes = step_weight_bytes(engine.model, batch * width)
     floor_s = wbytes / H200_BW
     return {
         "batch_size": batch, "verify_width": width, "accept_length": round(tau, 3),
+        "mean_output_len": round(statistics.mean(len(o["output_ids"]) for o in outs), 1),
         "prefill_s": round(prefill, 4), "decode_s": round(decode, 4),
         "decode_tok_per_s": round(new_tokens / decode, 2),
         "tok_per_s_per_seq": round(new_tokens / decode / batch, 2),
@@ -193,6 +202,9 @@ def transformers_decode(model_path: str | None, preset_cfg: dict | None, device:
 
 def run(args: argparse.Namespace) -> list[dict]:
     batches = args.batch_size if isinstance(args.batch_size, list) else [args.batch_size]
+    if args.simulate_accept_length is not None and args.json_schema:
+        raise ValueError("--simulate-accept-length cannot be combined with --json-schema: the "
+                         "simulated proposals and acceptance ignore the grammar")
     engine, label = build_engine(args, max(batches))
     if args.simulate_accept_length is not None:
         if engine.drafter is None:
@@ -211,6 +223,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         "draft_lm_head": (None if engine.drafter is None else
                           "nvfp4" if engine.drafter.head is not None else "target"),
         "attention_backend": engine.backends.decode,
+        "json_schema": args.json_schema,
     }
     results = []
     graphs = engine.runner.graphs
