@@ -199,7 +199,7 @@ def test_synthetic_tokenizer_has_the_size_asked_and_json_pieces(tmp_path):
     from blockspec.bench.synthetic_tokenizer import synthetic_tokenizer
 
     tok = synthetic_tokenizer(5000, tmp_path / "v")
-    assert tok.vocab_size == 5000 and tok.eos_token_id == 4999
+    assert tok.vocab_size == 5000 and tok.eos_token_id == 2 and tok.bos_token_id == 1
     pieces = tok.backend.get_vocab()
     assert len(pieces) == 5000
     assert any('"' in p and len(p) > 1 for p in pieces)           # multi-char pieces with quotes

@@ -72,7 +72,7 @@ def test_a_small_request_beside_a_huge_one_starts_within_a_few_steps(folder):
 
 def test_round_robin_between_groups_in_the_queue(folder):
     from blockspec.engine.request import Request
-    from blockspec.engine.scheduler import FairQueue
+    from blockspec.engine.fair_queue import FairQueue
 
     q = FairQueue()
     reqs = [Request(rid=f"a{i}", prompt_ids=[1], params=SamplingParams(), group="a")

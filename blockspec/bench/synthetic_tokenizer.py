@@ -3,7 +3,8 @@ presets (which have no tokenizer, and no published tokenizer can be downloaded h
 
 The cost of a grammar's token mask depends on the vocabulary: how many pieces a grammar state
 must check one by one (xgrammar precomputes the rest per state). The pieces here are built to
-resemble a BPE vocabulary's: the 256 byte symbols, then words of 2-10 characters drawn from
+resemble a BPE vocabulary's: three specials (ids 0-2, where Nemotron-H configs put pad, bos and
+eos), the 256 byte symbols, then words of 2-10 characters drawn from
 English letter frequencies, about half with a leading space, with digits, punctuation and JSON
 delimiters (quotes, braces, brackets, commas, colons) mixed in at roughly the rate a real
 tokenizer has them. The pieces are deterministic for a size, so two runs mask the same
@@ -25,7 +26,7 @@ _LETTERS = "etaoinshrdlcumwfgypbvkjxqz"
 _LETTER_WEIGHTS = [12.7, 9.1, 8.2, 7.5, 7.0, 6.7, 6.3, 6.1, 6.0, 4.3, 4.0, 2.8, 2.8, 2.4, 2.4,
                    2.2, 2.0, 2.0, 1.9, 1.5, 1.0, 0.8, 0.2, 0.2, 0.1, 0.1]
 _OTHER = '0123456789.,:;!?\'"()[]{}-_/\\@#$%&*+=<>|`~'
-EOS = "<|eos|>"
+SPECIALS = ("<unk>", "<s>", "</s>")     # ids 0, 1, 2: pad/unk, bos, eos
 
 
 def _pieces(n: int, seed: int) -> list[str]:
@@ -53,20 +54,21 @@ def _pieces(n: int, seed: int) -> list[str]:
 
 def synthetic_tokenizer(vocab_size: int, folder: str | Path | None = None,
                         seed: int = 0) -> Tokenizer:
-    """A tokenizer whose vocabulary has exactly ``vocab_size`` pieces: bytes, words, and an
-    end-of-text special as the last id. Written to ``folder`` (a temporary one if None)."""
+    """A tokenizer whose vocabulary has exactly ``vocab_size`` pieces: specials, bytes, words
+    (eos is id 2, as in the presets' configs). Written to ``folder`` (a temporary one if None)."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    if vocab_size < len(alphabet) + 2:
-        raise ValueError(f"a synthetic tokenizer needs vocab_size >= {len(alphabet) + 2}, "
-                         f"got {vocab_size}")
-    pieces = alphabet + _pieces(vocab_size - len(alphabet) - 1, seed)
+    least = len(SPECIALS) + len(alphabet)
+    if vocab_size < least:
+        raise ValueError(f"a synthetic tokenizer needs vocab_size >= {least}, got {vocab_size}")
+    pieces = list(SPECIALS) + alphabet + _pieces(vocab_size - least, seed)
     vocab = {p: i for i, p in enumerate(pieces)}
-    tok = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=alphabet[0]))
+    tok = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIALS[0]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([EOS])
+    tok.add_special_tokens(list(SPECIALS))
     folder = Path(folder or tempfile.mkdtemp(prefix="blockspec-vocab-"))
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": SPECIALS[1],
+                                                                 "eos_token": SPECIALS[2]}))
     return Tokenizer(folder)

@@ -19,24 +19,27 @@ none loses or repeats a token. A lone suspect is the culprit and ends with an er
 are bisected: their halves run one at a time (everyone else waits) until the failing step is
 reproduced by a single request or passed by all of them.
 
-A batch with a grammar-constrained request is never launched ahead: its next masks follow
-from the tokens this step commits, which only the host's matchers know.
+A batch with a grammar-constrained request runs in phases (``runtime/phases.py``): its next
+masks follow from the tokens this step commits, which only the host's matchers know, so the
+step ahead is begun (its forwards launched) before this one is read back and completed (masks
+filled, the masked finish launched) after its tokens have reached the matchers.
 """
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections import Counter, deque
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch.profiler import record_function
 
 from blockspec.cache import MemoryManager
+from blockspec.engine.fair_queue import FairQueue, group_of
 from blockspec.engine.request import Mark, Request
 from blockspec.engine.stop import append_tokens
 from blockspec.runtime.metadata import StepBatch
-from blockspec.runtime.model_runner import Launched, ModelRunner
+from blockspec.runtime.model_runner import Launched, ModelRunner, Pending
 from blockspec.sampling import request_seed
 
 
@@ -49,80 +52,9 @@ class Drafter(Protocol):
 
     def launch(self, batch: StepBatch | None, prev: Launched | None = None) -> Launched: ...
 
+    def begin(self, batch: StepBatch | None, prev: Launched | None = None) -> Pending: ...
+
     def results(self, step: Launched) -> list[tuple[int, list[int], list[float]]]: ...
-
-
-def group_of(req: Request) -> object:
-    """The client request ``req`` came with (a request without one is its own group)."""
-    return req.group if req.group is not None else ("rid", req.rid)
-
-
-class FairQueue:
-    """Waiting requests: one FIFO per group (the client request they came with), served
-    round-robin, so a request of a thousand prompts is admitted a share at a time and a small
-    one beside it is next in line, not behind all of them."""
-
-    def __init__(self) -> None:
-        self._groups: OrderedDict[object, deque[Request]] = OrderedDict()
-        self._n = 0
-
-    def append(self, req: Request) -> None:
-        self._groups.setdefault(group_of(req), deque()).append(req)
-        self._n += 1
-
-    def appendleft(self, req: Request) -> None:
-        """First in line of all (a request being computed again resumes at once)."""
-        self.requeue(req)
-        self._groups.move_to_end(group_of(req), last=False)
-
-    def requeue(self, req: Request) -> None:
-        """First of its group, its group keeping its turn (a preempted request)."""
-        self._groups.setdefault(group_of(req), deque()).appendleft(req)
-        self._n += 1
-
-    def heads(self) -> list[Request]:
-        """The first request of every group, in turn order."""
-        return [queue[0] for queue in self._groups.values()]
-
-    def take(self, req: Request) -> None:
-        """Admit ``req`` (the head of its group): that group's turn goes to the back."""
-        key = group_of(req)
-        queue = self._groups[key]
-        assert queue[0] is req
-        queue.popleft()
-        self._n -= 1
-        if queue:
-            self._groups.move_to_end(key)
-        else:
-            del self._groups[key]
-
-    def popleft(self) -> Request:
-        """The next request of the group whose turn it is."""
-        req = next(iter(self._groups.values()))[0]
-        self.take(req)
-        return req
-
-    def remove(self, req: Request) -> None:
-        key = group_of(req)
-        queue = self._groups[key]
-        queue.remove(req)
-        self._n -= 1
-        if not queue:
-            del self._groups[key]
-
-    def groups(self) -> list[object]:
-        return list(self._groups)
-
-    def __contains__(self, req: object) -> bool:
-        queue = self._groups.get(group_of(req)) if isinstance(req, Request) else None
-        return queue is not None and any(r is req for r in queue)
-
-    def __iter__(self) -> Iterator[Request]:
-        for queue in list(self._groups.values()):
-            yield from list(queue)
-
-    def __len__(self) -> int:
-        return self._n
 
 
 # a request that was among the suspects of this many failed steps is ended even when the
@@ -324,10 +256,25 @@ class Scheduler:
         batch = self._step_batch(reqs) if reqs is not None else None
         with record_function("decode.launch"):
             if self.drafter is None:
-                step = self.runner.launch_step(batch, self.runner.decode_step, "decode", 1, prev)
+                step = self.runner.launch_decode(batch, prev)
             else:
                 step = self.drafter.launch(batch, prev)
         step.tag = reqs if reqs is not None else prev.tag
+        return step
+
+    def _begin(self, prev: Launched) -> Pending:
+        """The forwards of the constrained step after ``prev`` (same requests)."""
+        with record_function("decode.launch"):
+            if self.drafter is None:
+                return self.runner.begin_decode(None, prev)
+            return self.drafter.begin(None, prev)
+
+    def _complete(self, pending: Pending, reqs: list[Request]) -> Launched:
+        """Its masks from the matchers (which have taken every committed token), then its
+        masked finish."""
+        with record_function("decode.launch"):
+            step = self.runner.phased.complete(pending, [r.grammar for r in reqs])
+        step.tag = reqs
         return step
 
     def _decode_step(self, running: list[Request]) -> list[Request]:
@@ -343,9 +290,13 @@ class Scheduler:
         same = (not self._resync and len(cur.tag) == len(reqs)
                 and all(a is b for a, b in zip(cur.tag, reqs)))
         self._resync = False
-        # a grammar's next mask needs this step's tokens on the host: no step ahead
-        same = same and not any(r.grammar is not None for r in reqs)
-        self._inflight = self._launch(None, cur) if same else None
+        # a grammar's next masks need this step's tokens on the host: begin the next step
+        # now, complete it once they have been appended
+        ahead = None
+        if same and cur.plan is not None:
+            ahead, self._inflight = self._begin(cur), None
+        else:
+            self._inflight = self._launch(None, cur) if same else None
         with record_function("decode.readback"):
             if self.drafter is None:
                 results = [(0, [int(tok)], [lp]) for tok, lp in self.runner.collect(cur)]
@@ -364,6 +315,8 @@ class Scheduler:
                 req.spec_accept_histogram[a] += 1
             self._append(req, tokens, lps)
             changed.append(req)
+        if ahead is not None:
+            self._inflight = self._complete(ahead, cur.tag)
         self._retire([r for r in changed if r.finished])
         return changed
 

@@ -33,7 +33,7 @@ class GraphRunner:
         self.device = device
         self.sizes = capture_sizes(max_bs)
         self.max_bs = max_bs
-        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
         self._pool = None
 
     def padded_size(self, bs: int) -> int | None:
@@ -46,7 +46,7 @@ class GraphRunner:
     def has(self, key: Hashable) -> bool:
         return key in self._graphs
 
-    def capture(self, key: Hashable, fn: Callable[[], torch.Tensor]) -> None:
+    def capture(self, key: Hashable, fn: Callable[[], object]) -> None:
         """Warm ``fn`` up on a side stream (first-call allocations, kernel compilation), then
         record it. The caller has filled the inputs with dummy rows, so neither run touches a
         real request's cache."""
@@ -64,6 +64,10 @@ class GraphRunner:
             out = fn()
         self._graphs[key] = (graph, out)
         log.info("captured CUDA graph %s", key)
+
+    def output(self, key: Hashable) -> object:
+        """The captured step's static output (what each replay overwrites)."""
+        return self._graphs[key][1]
 
     def replay(self, key: Hashable) -> torch.Tensor:
         graph, out = self._graphs[key]

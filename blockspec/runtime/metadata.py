@@ -145,8 +145,9 @@ class StepInputs:
         h["top_p"][start:end] = 1.0
         h["min_p"][start:end] = 0.0
 
-    def fill(self, batch: StepBatch, padded: int) -> None:
-        """Write the batch into rows [0, size) and dummy rows up to ``padded``; upload."""
+    def fill(self, batch: StepBatch, padded: int, masks: bool = True) -> None:
+        """Write the batch into rows [0, size) and dummy rows up to ``padded``; upload. With
+        ``masks`` a constrained batch's next-token masks too (a phased step fills its own)."""
         n = batch.size
         if padded > self.max_bs or n > padded:
             raise ValueError(f"batch of {n} padded to {padded} exceeds the {self.max_bs} rows")
@@ -157,7 +158,7 @@ class StepInputs:
         if padded > n:
             self.fill_dummy(n, padded)
         self.upload()
-        if batch.constrained:
+        if masks and batch.constrained:
             self.fill_masks(batch.grammars, padded=padded)
 
     def upload(self) -> None:

@@ -15,7 +15,6 @@ The runner reads the memory manager's pools; allocation and admission live in th
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,25 +27,13 @@ from blockspec.grammar import bitmask_words, mask_logits
 from blockspec.layers.moe import MoE
 from blockspec.models.nemotron_h import ModelOutput, NemotronHForCausalLM
 from blockspec.runtime.graph_runner import GraphRunner
+from blockspec.runtime.launched import Launched, Plan, StepFn
 from blockspec.runtime.metadata import StepBatch, StepInputs, extend_metadata, uniform_metadata
+from blockspec.runtime.phases import Pending, PhasedSteps
 from blockspec.sampling import Stream, logprobs_of, sample, uniforms
 
-StepFn = Callable[[dict[str, torch.Tensor], tuple], torch.Tensor]
+__all__ = ["Launched", "ModelRunner", "Pending", "RunnerOptions", "StepFn"]
 log = logging.getLogger("blockspec")
-
-
-@dataclass
-class Launched:
-    """A step on its way: what ran (to launch its continuation) and where its outputs land."""
-
-    kind: str
-    fn: StepFn
-    key: tuple
-    width: int
-    bs: int
-    out: torch.Tensor                  # [bs, cols] host tensor (pinned on CUDA)
-    event: torch.cuda.Event | None = None
-    tag: object = None                 # the caller's (the scheduler's requests)
 
 
 @dataclass
@@ -77,6 +64,8 @@ class ModelRunner:
         self.host_max_seq_len = 0   # eager steps' longest context (the torch backend needs it)
         self._readback: dict[int, list[torch.Tensor]] = {}   # pinned output buffers per width
         self._turn = 0
+        self.phased = PhasedSteps(self)      # grammar-constrained steps
+        self._decode_plan = Plan((self.decode_forward, self.decode_finish), rows=1)
 
     # ---- prefill -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -96,11 +85,11 @@ class ModelRunner:
     def sample_rows(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Sample one token per row of ``logits`` (prefill's first tokens), through the same
         inputs and sampler as a decode step. Returns [B, 2] float64 (token, logprob)."""
-        self._reserve_masks(batch)
+        self.reserve_masks(batch)
         self.inputs.fill(batch, batch.size)
         return self._pick(logits, self.inputs.view(batch.size), batch.sampling_key())
 
-    def _reserve_masks(self, batch: StepBatch) -> None:
+    def reserve_masks(self, batch: StepBatch) -> None:
         """The grammar bitmask buffers, the first time a batch has a constrained row."""
         if batch.constrained:
             self.inputs.reserve_masks(self.memory.step_width, bitmask_words(self.cfg.vocab_size))
@@ -121,12 +110,32 @@ class ModelRunner:
     # ---- steps ---------------------------------------------------------------------------------
     def decode_step(self, inp: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
         """One token per request from its last token: forward, sample. [B, 2] (token, logprob)."""
+        return self.decode_finish(inp, key, self.decode_forward(inp, key, None))
+
+    def decode_forward(self, inp: dict[str, torch.Tensor], key: tuple, _: object) -> torch.Tensor:
+        """The decode forward's logits [B, V] (a constrained step's first phase)."""
         m = self.memory
         meta = uniform_metadata(inp, 1, Mode.DECODE, inp["token"], m.block_table, m.page_size,
                                 self.decode_attn, m.kv, m.mamba, max_seq_len=self.host_max_seq_len)
-        out = self._pick(self.model(meta).logits, inp, key)
+        return self.model(meta).logits
+
+    def decode_finish(self, inp: dict[str, torch.Tensor], key: tuple,
+                      logits: torch.Tensor) -> torch.Tensor:
+        """Sample from the forward's logits and advance the inputs (the last phase)."""
+        out = self._pick(logits, inp, key)
         self.advance_inputs(inp, out[:, 0].long(), torch.ones_like(inp["prefix"]), verified=False)
         return out
+
+    def launch_decode(self, batch: StepBatch | None, prev: Launched | None = None) -> Launched:
+        """A decode step for ``batch`` (or the one after ``prev``); a constrained batch runs
+        its phases back to back, since its masks are known now."""
+        if batch is not None and batch.constrained:
+            return self.phased.complete(self.begin_decode(batch), batch.grammars)
+        return self.launch_step(batch, self.decode_step, "decode", 1, prev)
+
+    def begin_decode(self, batch: StepBatch | None, prev: Launched | None = None) -> Pending:
+        """A constrained decode step's forward (``runtime/phases.py``)."""
+        return self.phased.begin(batch, self._decode_plan, "decode", 1, prev)
 
     def advance_inputs(self, inp: dict[str, torch.Tensor], token: torch.Tensor,
                        committed: torch.Tensor, verified: bool) -> None:
@@ -172,14 +181,13 @@ class ModelRunner:
         size), else runs ``fn`` eagerly; the outputs are copied to a host buffer behind it.
         ``width`` = positions the step writes past the committed length; ``eager`` runs ``fn``
         without a graph (a step that reads the host in its middle). A constrained batch's
-        masks come from its matchers' host state, so its step is always launched fresh."""
+        masks come from its matchers' host state: it runs in phases (``runtime/phases.py``)."""
         if batch is not None:
             bs, key = batch.size, batch.sampling_key()
-            self._reserve_masks(batch)
+            if batch.constrained:
+                raise RuntimeError("a constrained batch runs in phases (PhasedSteps)")
         else:
             bs, key, fn, kind, width = prev.bs, prev.key, prev.fn, prev.kind, prev.width
-            if key[3]:
-                raise RuntimeError("a constrained step cannot continue from the device inputs")
         padded = self.graphs.padded_size(bs) if self.graphs is not None and not eager else None
         if padded is None:
             if batch is not None:
@@ -194,9 +202,9 @@ class ModelRunner:
                 gkey = self.ensure_graph(kind, key, padded, fn)
                 self.inputs.fill(batch, padded)
             out = self.graphs.replay(gkey)
-        return self._read_later(Launched(kind, fn, key, width, bs, out), out[:bs])
+        return self.read_later(Launched(kind, fn, key, width, bs, out), out[:bs])
 
-    def _read_later(self, step: Launched, out: torch.Tensor) -> Launched:
+    def read_later(self, step: Launched, out: torch.Tensor) -> Launched:
         """Copy ``out`` into the next of two pinned buffers behind the step (CUDA), so the next
         replay may overwrite the graph's output before the host reads this one."""
         if out.device.type != "cuda":     # computed already: nothing to overlap

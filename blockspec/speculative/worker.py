@@ -20,8 +20,9 @@ from blockspec.attention import create_backend
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.forward_metadata import Mode
 from blockspec.grammar import mask_logits
+from blockspec.runtime.launched import Plan
 from blockspec.runtime.metadata import StepBatch, same_rows, uniform_metadata
-from blockspec.runtime.model_runner import Launched, ModelRunner
+from blockspec.runtime.model_runner import Launched, ModelRunner, Pending
 from blockspec.sampling import Stream, logprobs_of, uniforms
 from blockspec.speculative.accept import verify_block
 from blockspec.speculative.draft_head import make_draft_head
@@ -49,6 +50,9 @@ class SpecWorker:
         if not self.attn.supports_cuda_graph:   # a step is one graph: every backend in it must capture
             runner.disable_graphs(f"the draft's attention backend {self.attn.name!r} is eager-only")
         self.simulate_accept_length: float | None = None   # benchmarks only (see step_fn)
+        # grammar-constrained steps: propose -> verify forward -> masked finish
+        self._plan = Plan((self._propose_phase, self._verify_phase, self._finish_phase),
+                          rows=self.width, drafts_of=lambda proposal: proposal[0])
 
     @property
     def lookahead(self) -> int:
@@ -64,14 +68,17 @@ class SpecWorker:
     def launch(self, batch: StepBatch | None, prev: Launched | None = None) -> Launched:
         """Launch a speculative step for ``batch``, or (None) the next one of ``prev``'s
         requests from the inputs it advanced on the device (``ModelRunner.launch_step``).
-        A constrained batch runs eagerly: its verify masks follow the drafts through each
-        request's grammar on the host (``constrained_step``)."""
+        A constrained batch runs its phases back to back (its masks are known now)."""
         if batch is not None and batch.constrained:
-            grammars = batch.grammars
-            return self.runner.launch_step(
-                batch, lambda inp, key: self.constrained_step(inp, key, grammars), "spec",
-                self.width, eager=True)
+            return self.runner.phased.complete(self.begin(batch), batch.grammars)
         return self.runner.launch_step(batch, self.step_fn, "spec", self.width, prev)
+
+    def begin(self, batch: StepBatch | None, prev: Launched | None = None) -> Pending:
+        """A constrained step's draft and verify forwards (``runtime/phases.py``); its verify
+        masks follow the drafts through each request's grammar on the host, one bitmask row
+        per verify position, so a draft the grammar forbids is rejected and the bonus obeys
+        the grammar."""
+        return self.runner.phased.begin(batch, self._plan, "spec", self.width, prev)
 
     def results(self, step: Launched) -> list[tuple[int, list[int], list[float]]]:
         """(accepted drafts a, the a + 1 committed tokens, their logprobs) per request."""
@@ -88,17 +95,15 @@ class SpecWorker:
         proposal = self._propose(inp, key)
         return self._finish(inp, key, proposal, self._verify_forward(inp, proposal))
 
-    def constrained_step(self, inp: dict[str, torch.Tensor], key: tuple, grammars: list) -> torch.Tensor:
-        """``step_fn`` with grammar masks: the drafts are read back, the verify forward is
-        launched, and while it runs the host walks each constrained row's drafts through its
-        matcher, one bitmask row per verify position (rolled back after); acceptance then
-        judges every position by its masked logits, so a draft the grammar forbids is
-        rejected and the bonus obeys the grammar."""
-        proposal = self._propose(inp, key)
-        drafts = proposal[0].tolist()
-        out = self._verify_forward(inp, proposal)
-        self.runner.inputs.fill_masks(grammars, drafts, rows=self.width)
-        return self._finish(inp, key, proposal, out, inp["bitmask"][:, :self.width])
+    def _propose_phase(self, inp: dict[str, torch.Tensor], key: tuple, _: object) -> tuple:
+        return self._propose(inp, key)
+
+    def _verify_phase(self, inp: dict[str, torch.Tensor], key: tuple, proposal: tuple) -> tuple:
+        return proposal, self._verify_forward(inp, proposal)
+
+    def _finish_phase(self, inp: dict[str, torch.Tensor], key: tuple, pv: tuple) -> torch.Tensor:
+        proposal, verified = pv
+        return self._finish(inp, key, proposal, verified, inp["bitmask"][:, :self.width])
 
     def _propose(self, inp: dict[str, torch.Tensor], key: tuple) -> tuple:
         """The draft block: (drafts [B, γ], their distributions or None, the draft metadata,
