@@ -236,7 +236,14 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                     "function": {"name": "f", "arguments": "{bad"}}]}]},
      "messages[0].tool_calls[0].function.arguments", "not JSON"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                    "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "must be a JSON object"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "c", "type": "function",
+                    "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[0].tool_calls", "only assistant messages"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "required"),
+    ({"tools": TOOLS, "tool_choice": "required", "regex": "a"}, "tool_choice", "cannot go with regex"),
 ])
 def test_bad_tool_input_is_a_400_naming_the_field(client, served, body, param, piece):
     req = {"model": MODEL, "messages": ASK, "max_tokens": 4, **body}

@@ -12,6 +12,8 @@ from blockspec.server.chat_output import ChatSpec, ChoiceOutput, stream_delta
 from blockspec.server.reasoning import REASONING_PARSERS, ReasoningParser, opens_reasoning
 from blockspec.server.tool_parser import PARSERS, convert, make_parser
 from blockspec.server.tools import ToolPlan
+from blockspec.tiny_model import byte_level_tokenizer_json
+from blockspec.tokenizer import Tokenizer, TokenizerError
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
@@ -190,3 +192,30 @@ def test_finish_reason_and_forced_required():
     plain = ChoiceOutput(ChatSpec(ToolPlan(TOOLS, choice="auto")), None, None)
     assert plain.message(QWEN) == {"role": "assistant", "content": QWEN}       # no parser
     assert plain.finish_reason({"type": "stop"}) == "stop"
+
+
+def test_hermes_call_without_its_closing_tag_at_the_end():
+    text = 'ok <tool_call>{"name": "get_time", "arguments": {}}'
+    assert whole("hermes", text) == ("ok", [("get_time", "{}")])
+    assert split_at("hermes", text, list(range(1, len(text)))) == ("ok", [("get_time", "{}")])
+
+
+def test_chat_template_gets_tools_kwargs_and_hf_helpers(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(byte_level_tokenizer_json())
+    template = ("{% for t in tools %}{{ t | tojson }}{% endfor %}{% for m in messages %}"
+                "{% if m.role == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}"
+                "{% for c in m.tool_calls %}{{ c.function.arguments.city }}{% break %}"
+                "{% endfor %}{% endfor %}{{ 'T' if enable_thinking else 'F' }}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tok = Tokenizer(tmp_path)
+    call = {"function": {"name": "f", "arguments": {"city": "Zürich"}}}
+    out = tok.apply_chat_template([{"role": "assistant", "tool_calls": [call, call]}],
+                                  tools=[{"a": "<é>"}], enable_thinking=True)
+    assert out == '{"a": "<é>"}ZürichT'                   # HF's tojson: no HTML escapes
+    with pytest.raises(TokenizerError, match="no bad roles"):
+        tok.apply_chat_template([{"role": "bad"}], tools=[])
+    with pytest.raises(TokenizerError, match="the chat template failed: TypeError"):
+        tok.apply_chat_template([{"role": "user"}])             # tools=None is not iterable
+    tok.chat_template = "{% for %}"
+    with pytest.raises(TokenizerError, match="the chat template failed"):
+        tok.apply_chat_template([])
