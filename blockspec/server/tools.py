@@ -109,16 +109,15 @@ def grammar(p: ToolPlan, parallel: bool, engine: Any) -> dict[str, Any]:
 
 
 def template_messages(req: ChatCompletionRequest) -> list[dict]:
-    """Messages as HF chat templates read them: content a string (or None beside tool calls),
+    """Messages as HF chat templates read them: content a string (null beside tool calls),
     ``tool_calls[].function.arguments`` parsed to dicts, ``tool_call_id`` on tool results."""
     out = []
     for i, m in enumerate(req.messages):
         content = m.content if isinstance(m.content, str) or m.content is None else \
             "".join(p.text for p in m.content)
-        msg: dict[str, Any] = {"role": m.role, "content": content if content or not m.tool_calls
-                               else None}
-        if msg["content"] is None and not m.tool_calls:
-            msg["content"] = ""
+        # null stays null beside tool calls (as the client sent it); elsewhere it is ""
+        msg: dict[str, Any] = {"role": m.role,
+                               "content": "" if content is None and not m.tool_calls else content}
         if m.name is not None:
             msg["name"] = m.name
         if m.reasoning_content is not None:
