@@ -79,7 +79,9 @@ def test_hermes_calls():
 
 @pytest.mark.parametrize("name, text", [("qwen3_coder", QWEN), ("hermes", HERMES),
                                         ("qwen3_coder", "no calls at all < here <tool"),
-                                        ("hermes", "a <tool_call> cut off {\"name\": ")])
+                                        ("hermes", "a <tool_call> cut off {\"name\": "),
+                                        ("hermes", ('<tool_call>{"name": "get_time", "arguments": '
+                                                    '{}} oops</tool_call> end'))])
 def test_every_split_point_gives_the_whole_result(name, text):
     want = whole(name, text)
     for cut in range(len(text) + 1):
@@ -219,3 +221,10 @@ def test_chat_template_gets_tools_kwargs_and_hf_helpers(tmp_path):
     tok.chat_template = "{% for %}"
     with pytest.raises(TokenizerError, match="the chat template failed"):
         tok.apply_chat_template([])
+
+
+def test_hermes_call_goes_out_when_its_json_closes():
+    p = make_parser("hermes", TOOLS)
+    assert collapse(p.feed('<tool_call>\n{"name": "get_time", "arguments": {"a": "}"}')) == ("", [])
+    assert collapse(p.feed("}")) == ("", [("get_time", '{"a": "}"}')])      # before </tool_call>
+    assert collapse(p.feed("\n</tool_call>\nbye") + p.finish()) == ("\nbye", [])

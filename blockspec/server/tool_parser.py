@@ -5,7 +5,8 @@ models are trained to emit, chosen with ``--tool-call-parser``.
   VALUE\\n</parameter>...</function>\\n</tool_call>``; each value is text, converted by the type
   the tool's schema gives the parameter (integer/number/boolean/null/object/array parsed as
   JSON where it parses, else kept as the string).
-* ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+* ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; a call goes out
+  as soon as its JSON object closes.
 
 One parser per choice is fed the text as it arrives and returns events (content, the start of
 a call, a fragment of its arguments); the non-streaming answer is the same parser fed the
@@ -130,35 +131,59 @@ class ToolParser:
 
 
 class HermesParser(ToolParser):
-    """JSON inside the tags; the call is emitted whole once ``</tool_call>`` arrives (or the
-    output ends after a complete JSON object)."""
+    """JSON inside the tags; the call goes out whole as soon as its JSON object closes, and the
+    ``</tool_call>`` after it is skipped. A body that is not a JSON object of a known function
+    stays content, through its ``</tool_call>``."""
+
+    _decoder = json.JSONDecoder()
+
+    def _begin(self) -> None:
+        self._closing = False           # the call went out; its </tool_call> may follow
 
     def _body(self, out: list[Event], final: bool) -> bool:
-        end = self._buf.find(CLOSE)
-        if end < 0:
+        lead = self._buf.lstrip()
+        if self._closing:
+            if lead.startswith(CLOSE):
+                self._buf, self._inside = lead[len(CLOSE):], False
+                return True
+            if lead and not CLOSE.startswith(lead):
+                self._inside = False            # no </tool_call>: the rest is outside the call
+                return True
             return False
-        raw, self._buf = self._buf[:end], self._buf[end + len(CLOSE):]
-        self._call(out, raw, raw + CLOSE)
-        return True
-
-    def _call(self, out: list[Event], body: str, raw: str) -> None:
+        if not lead:
+            return False
         try:
-            obj = json.loads(body)
-        except ValueError:
-            obj = None
-        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
-        name = obj.get("name") if isinstance(obj, dict) else None
+            obj, used = self._decoder.raw_decode(lead) if lead.startswith("{") else (None, 0)
+        except ValueError:                      # not closed yet, or not JSON
+            at = self._buf.find(CLOSE)
+            if at < 0:
+                return False
+            self._reject(out, self._buf[:at + len(CLOSE)])
+            self._buf = self._buf[at + len(CLOSE):]
+            return True
+        if not isinstance(obj, dict):
+            self._reject(out, "")
+            self._passthrough = True            # the block, through </tool_call>, is content
+            return True
+        body_len = len(self._buf) - len(lead) + used
+        raw, self._buf = self._buf[:body_len], self._buf[body_len:]
+        args = obj.get("arguments", obj.get("parameters", {}))
+        name = obj.get("name")
         if not isinstance(name, str) or name not in self.tools or not isinstance(args, (dict, str)):
             self._reject(out, raw)
-            return
-        self._inside = False
+            self._passthrough = True
+            return True
         index = self._start(out, name)
         text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         out.append(Event("args", text, index=index))
+        self._closing = True
+        return True
 
     def _end(self) -> list[Event]:
         out: list[Event] = []
-        self._call(out, self._buf, self._buf)
+        if not self._closing:
+            self._reject(out, self._buf)
+        self._inside = False
         return out
 
 
