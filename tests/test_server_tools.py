@@ -17,6 +17,7 @@ pytest.importorskip("xgrammar")
 
 from blockspec import Engine  # noqa: E402
 from blockspec.server.args import ServerArgs  # noqa: E402
+from blockspec.server.chat_output import check_parsers  # noqa: E402
 from blockspec.server.launch import ServerThread  # noqa: E402
 from blockspec.server.protocol import ChatCompletionRequest  # noqa: E402
 from blockspec.server.validate import chat_inputs  # noqa: E402
@@ -261,3 +262,7 @@ def test_unknown_parser_flag_is_refused():
         ServerArgs(tool_call_parser="nope").validate()
     with pytest.raises(ValueError, match="--reasoning-parser must be one of"):
         ServerArgs(reasoning_parser="deepseek").validate()
+    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'"):
+        check_parsers("nope", None)
+    with pytest.raises(ValueError, match="unknown reasoning parser 'deepseek'"):
+        check_parsers(None, "deepseek")

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from blockspec import __version__
 from blockspec.engine.loop import StreamOutput
 from blockspec.server import errors
-from blockspec.server.chat_output import ChatSpec, ChoiceOutput, stream_delta
+from blockspec.server.chat_output import ChatSpec, ChoiceOutput, check_parsers, stream_delta
 from blockspec.server.client import ClientGone, EngineClient, Group, ServerShuttingDown
 from blockspec.server.errors import APIError, error_body, error_response
 from blockspec.server.metrics import CONTENT_TYPE, Metrics
@@ -107,6 +107,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     """An app serving ``engine``; it does not own it (whoever made the engine shuts it down).
     ``tool_call_parser`` / ``reasoning_parser``: how chat output is read for tool calls
     (``tool_choice: auto``) and reasoning (chat_output.py); None: the text is content."""
+    check_parsers(tool_call_parser, reasoning_parser)
     metrics = Metrics(verify_width=engine.verify_width)
     client = EngineClient(engine, metrics, max_queued_requests)
 

@@ -31,6 +31,15 @@ class ChatSpec:
     include_reasoning: bool = True
 
 
+def check_parsers(tool_parser: str | None, reasoning_parser: str | None) -> None:
+    """Refuse unknown parser names when the app is made, not at the first request."""
+    if tool_parser is not None:
+        make_parser(tool_parser, {})
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; parsers: "
+                         f"{', '.join(REASONING_PARSERS)}")
+
+
 class _Named:
     """``tool_choice`` naming a function: the whole output is the call's arguments."""
 
@@ -107,8 +116,6 @@ class ChoiceOutput:
         self.spec = spec
         self.reasoning = None
         if reasoning_parser is not None and spec.separate_reasoning and plan.forced is None:
-            if reasoning_parser not in REASONING_PARSERS:
-                raise ValueError(f"unknown reasoning parser {reasoning_parser!r}")
             self.reasoning = ReasoningParser(spec.prompt_opens_reasoning and spec.thinking,
                                              may_open=spec.thinking)
         if plan.forced == "named":
