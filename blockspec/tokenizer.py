@@ -46,13 +46,37 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs: object) -> str:
+        """The template rendered as HF's apply_chat_template does: ``tools`` and ``kwargs``
+        (e.g. ``enable_thinking``) are template variables, the special tokens too; HF's
+        ``tojson`` (no HTML escaping), ``raise_exception`` and loop controls. A template that
+        fails (or raises) is a TokenizerError with its message."""
         if not self.chat_template:
             raise TokenizerError("this tokenizer has no chat_template in tokenizer_config.json")
         import jinja2  # lazy: only a chat template needs it
+        import jinja2.ext  # lazy: as above
+        import jinja2.sandbox  # lazy: as above
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        tpl = env.from_string(self.chat_template)
+        def tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+                   separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
+        def raise_exception(message: str) -> None:
+            raise TokenizerError(f"the chat template refused the messages: {message}")
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
         special = {k: (v.get("content") if isinstance(v, dict) else v)
                    for k, v in self.config.items() if k.endswith("_token")}
-        return tpl.render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        try:
+            tpl = env.from_string(self.chat_template)
+            return tpl.render({**special, **kwargs, "messages": messages, "tools": tools,
+                               "add_generation_prompt": add_generation_prompt})
+        except TokenizerError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+            raise TokenizerError(f"the chat template failed: {type(e).__name__}: {e}") from None

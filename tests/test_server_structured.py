@@ -112,3 +112,16 @@ def test_bad_grammar_is_a_400_naming_the_field(client, served, route, body, para
     assert err["param"] == param and piece in err["message"], err
     ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0)
     assert ok.choices[0].finish_reason in ("stop", "length")       # still serving
+
+
+def test_named_tool_choice_under_dflash_is_the_schemas_output(client, served):
+    """A named tool_choice is the same grammar as response_format: under DFlash the call's
+    arguments equal the offline json_schema output without speculation."""
+    msgs = [{"role": "user", "content": EXAMPLE_QUESTION}]
+    tools = [{"type": "function", "function": {"name": "answer", "parameters": SCHEMA}}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=48,
+                                       tools=tools, tool_choice={"type": "function",
+                                                                 "function": {"name": "answer"}})
+    [call] = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "answer"
+    assert call.function.arguments == _offline(served[1], {"json_schema": SCHEMA})

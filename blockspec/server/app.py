@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from blockspec import __version__
 from blockspec.engine.loop import StreamOutput
 from blockspec.server import errors
+from blockspec.server.chat_output import ChatSpec, ChoiceOutput, check_parsers, stream_delta
 from blockspec.server.client import ClientGone, EngineClient, Group, ServerShuttingDown
 from blockspec.server.errors import APIError, error_body, error_response
 from blockspec.server.metrics import CONTENT_TYPE, Metrics
@@ -100,8 +101,13 @@ def _engine_failure(out: StreamOutput, closing: bool) -> APIError | None:
 def create_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
                max_queued_requests: int | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
-    """An app serving ``engine``; it does not own it (whoever made the engine shuts it down)."""
+               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS,
+               tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
+    """An app serving ``engine``; it does not own it (whoever made the engine shuts it down).
+    ``tool_call_parser`` / ``reasoning_parser``: how chat output is read for tool calls
+    (``tool_choice: auto``) and reasoning (chat_output.py); None: the text is content."""
+    check_parsers(tool_call_parser, reasoning_parser)
     metrics = Metrics(verify_width=engine.verify_width)
     client = EngineClient(engine, metrics, max_queued_requests)
 
@@ -268,6 +274,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         base = {"id": cid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
                 "created": now(), "model": served_model_name}
         want_usage = bool(body.stream_options and body.stream_options.include_usage)
+        shapers = [ChoiceOutput(prep.chat or ChatSpec(), tool_call_parser, reasoning_parser)
+                   for _ in group.rids]
         if body.stream:
             extra = {"usage": None} if want_usage else {}
             head = [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -275,21 +283,21 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                     for i in range(len(group.rids))]
 
             def render(i: int, out: StreamOutput, c: Choice) -> list[dict]:
-                if not (out.text or out.finished or (prep.return_logprob and out.logprobs)):
+                delta = stream_delta(shapers[i], out.text, out.finished)
+                if not (delta or out.finished or (prep.return_logprob and out.logprobs)):
                     return []
-                delta = {"content": out.text} if out.text else {}
                 choice = {"index": i, "delta": delta,
                           "logprobs": chat_logprobs(out.logprobs) if prep.return_logprob else None,
-                          "finish_reason": finish_reason(out.finish_reason)}
+                          "finish_reason": shapers[i].finish_reason(out.finish_reason)}
                 return [{**base, "choices": [choice], **extra}]
 
             return sse_response(event_stream(group, render, head,
                                              usage_tail(base, prep.n, want_usage)))
         choices = await collect(group, request)
         return JSONResponse({**base, "choices": [
-            {"index": i, "message": {"role": "assistant", "content": c.text},
+            {"index": i, "message": shapers[i].message(c.text),
              "logprobs": chat_logprobs(c.logprobs) if prep.return_logprob else None,
-             "finish_reason": finish_reason(c.reason)}
+             "finish_reason": shapers[i].finish_reason(c.reason)}
             for i, c in enumerate(choices)], "usage": usage_of(choices, prep.n)})
 
     @app.get("/v1/models", responses=ANY_ROUTE)

@@ -8,9 +8,14 @@ from typing import Any
 
 from blockspec.flags import HelpFormatter, engine_flags
 
+# the parsers' names (tool_parser.PARSERS, reasoning.REASONING_PARSERS; tests check they agree),
+# spelled here so the CLI's help stays free of server imports
+TOOL_CALL_PARSERS = ("qwen3_coder", "hermes")
+REASONING_PARSERS = ("nemotron_3",)
 
-def _arg(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+
+def _arg(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
@@ -31,6 +36,13 @@ class ServerArgs:
     graceful_shutdown_timeout: float = _arg(10.0, "after SIGINT/SIGTERM: seconds the running "
                                                   "and queued requests get to finish (new ones "
                                                   "get 503); then the rest end with an error")
+    tool_call_parser: str | None = _arg(None, "read tool calls out of chat output (tool_choice "
+                                              "auto) in this format; unset: tools reach the "
+                                              "template, the output stays content",
+                                        TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _arg(None, "split <think>...</think> off chat output into "
+                                              "reasoning_content; unset: it stays content",
+                                        REASONING_PARSERS)
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -41,6 +53,12 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        for name, known in (("tool_call_parser", TOOL_CALL_PARSERS),
+                            ("reasoning_parser", REASONING_PARSERS)):
+            value = getattr(self, name)
+            if value is not None and value not in known:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of "
+                                 f"{', '.join(known)}, got {value!r}")
         if self.graceful_shutdown_timeout < 0:
             raise ValueError("--graceful-shutdown-timeout must be >= 0, "
                              f"got {self.graceful_shutdown_timeout}")
@@ -57,7 +75,7 @@ def add_serve_parser(sub: Any) -> None:
         kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
         default = f.default if f.default is not MISSING else None
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
-                       help=f.metadata["help"])
+                       help=f.metadata["help"], choices=f.metadata["choices"])
 
 
 def server_args(ns: argparse.Namespace) -> ServerArgs:

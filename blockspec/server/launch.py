@@ -92,7 +92,8 @@ def build_server(engine: Any, args: ServerArgs,
     app = create_app(engine, served_model_name=served_name(engine, args), api_key=args.api_key,
                      max_queued_requests=args.max_queued_requests,
                      max_body_bytes=args.max_request_bytes,
-                     max_prompts_per_request=args.max_prompts_per_request)
+                     max_prompts_per_request=args.max_prompts_per_request,
+                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     config = uvicorn.Config(app, log_level=engine.args.log_level.lower(), access_log=False,
                             lifespan="on", timeout_graceful_shutdown=args.graceful_shutdown_timeout)
     return _Server(config, app.state.client, on_started)

@@ -154,10 +154,49 @@ class TextPart(_Body):
     text: str
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str                  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None        # assistant messages that called tools
+    tool_call_id: str | None = None                 # role tool: the call it answers
+    reasoning_content: str | None = None            # an assistant turn's reasoning, for templates
+
+
+class FunctionDef(_Body):
+    """A tool's function; ``parameters`` is a JSON schema of an object (checked in
+    validate.py, so a wrong one is a 400 naming it), always enforced when the tool is chosen."""
+
+    name: str
+    description: str | None = None
+    parameters: Any = Field(None, json_schema_extra={"anyOf": [{"type": "object"},
+                                                               {"type": "null"}]})
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Sampling):
@@ -166,6 +205,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, json_schema_extra={"anyOf": [{"const": 0},
                                                                          {"type": "null"}]})
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default auto with tools, none without")
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None      # e.g. {"enable_thinking": false}
+    separate_reasoning: bool = Field(True, description="false: reasoning stays in content")
+    include_reasoning: bool = Field(True, description="false: reasoning is dropped")
 
 
 class GenerateRequest(_Body):

@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 
 from blockspec.engine.engine import GenerateError, check_context, check_token_ids
 from blockspec.sampling import SEED_LIMIT, SamplingParams, SamplingParamsError
+from blockspec.server import tools
+from blockspec.server.chat_output import ChatSpec
 from blockspec.server.errors import APIError
 from blockspec.server.protocol import (
     MAX_N,
@@ -22,6 +24,8 @@ from blockspec.server.protocol import (
     GenerateRequest,
     _Sampling,
 )
+from blockspec.server.reasoning import opens_reasoning
+from blockspec.tokenizer import TokenizerError
 
 DEFAULT_MAX_PROMPTS = 256
 T = TypeVar("T")
@@ -40,6 +44,7 @@ class Prepared:
     items: list[Item]          # prompt-major: prompt i, sample j is items[i * n + j]
     n: int
     return_logprob: bool
+    chat: ChatSpec | None = None         # chat requests: how to shape the output
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -260,17 +265,22 @@ def chat_inputs(req: ChatCompletionRequest, engine: Any, served: str,
     tok = _tokenizer(engine, "messages")
     if not tok.chat_template:
         raise _bad("this model's tokenizer has no chat template: use /v1/completions", "messages")
-    messages = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else \
-            "".join(p.text for p in m.content)
-        messages.append({"role": m.role, "content": content or ""})
-    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    plan = tools.plan(req)
+    kwargs = req.chat_template_kwargs or {}
+    try:
+        prompt = tok.apply_chat_template(tools.template_messages(req), add_generation_prompt=True,
+                                         tools=plan.template_tools, **kwargs)
+    except TokenizerError as e:
+        raise _bad(str(e), "messages") from None
+    ids = tok.encode(prompt)
     wanted = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     mx = _max_tokens(wanted, len(ids), engine.context_length, "messages", default=None)
-    params = _sampling(req, mx, engine.config.vocab_size, _grammar(req, engine))
+    grammar = _grammar(req, engine) or tools.grammar(plan, req.parallel_tool_calls, engine)
+    params = _sampling(req, mx, engine.config.vocab_size, grammar)
+    spec = ChatSpec(plan, opens_reasoning(prompt), kwargs.get("enable_thinking") is not False,
+                    req.separate_reasoning, req.include_reasoning)
     return Prepared([Item(ids, p) for p in _children(params, req.n)], req.n,
-                    return_logprob=req.logprobs)
+                    return_logprob=req.logprobs, chat=spec)
 
 
 def generate_inputs(req: GenerateRequest, engine: Any, max_prompts: int = DEFAULT_MAX_PROMPTS,
