@@ -40,8 +40,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; the tokenizer's post-processor (a BOS, say) only when asked."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def piece(self, token: int) -> str | None:
+        """The vocabulary piece of one id, as stored (byte-level pieces keep their marks)."""
+        return self._tok.id_to_token(token)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

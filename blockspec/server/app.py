@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from blockspec import __version__
@@ -28,26 +29,32 @@ from blockspec.server.protocol import (
     AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
     GenerateRequest,
+    TokenizeRequest,
     finish_reason,
     now,
     sse,
     usage,
 )
+from blockspec.server.tokenize import ROUTES as TOKENIZE_ROUTES
+from blockspec.server.tokenize import add_tokenize_routes
 from blockspec.server.validate import (
     DEFAULT_MAX_PROMPTS,
     Prepared,
     chat_inputs,
+    check_model,
     completion_inputs,
     generate_inputs,
 )
 
 log = logging.getLogger("blockspec")
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/generate",
-                    "/abort_request", "/health", "/metrics"})
+                    "/abort_request", "/health", "/metrics"}) | TOKENIZE_ROUTES
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
-MODELS = (CompletionRequest, ChatCompletionRequest, GenerateRequest, AbortRequest)
+MODELS = (CompletionRequest, ChatCompletionRequest, GenerateRequest, AbortRequest,
+          TokenizeRequest, DetokenizeRequest)
 
 # The responses each route can give, for the OpenAPI schema (every error is ErrorResponse).
 _WHY = {400: "malformed JSON, text that is not UTF-8, or a value out of range (param names it)",
@@ -153,6 +160,14 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         completion = sum(len(c.ids) for c in choices)
         return usage(prompt, completion, spec_totals(choices))
 
+    def chunk_usage(prep: Prepared, body: Any) -> Callable[[int, Choice], dict]:
+        """stream_options.continuous_usage_stats: every chunk carries choice i's usage so far;
+        otherwise ``usage: null`` when the last chunk will carry it, else no key."""
+        opts = body.stream_options
+        if opts is not None and opts.continuous_usage_stats:
+            return lambda i, c: {"usage": usage(len(prep.items[i].prompt_ids), len(c.ids), None)}
+        return lambda i, c: {"usage": None} if opts is not None and opts.include_usage else {}
+
     def usage_tail(base: dict, n: int, wanted: bool) -> Callable[[list[Choice]], list[dict]]:
         """stream_options.include_usage: one last chunk with no choices and the usage."""
         return lambda choices: [{**base, "choices": [], "usage": usage_of(choices, n)}] if wanted else []
@@ -238,7 +253,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
 
     @app.post("/v1/completions", responses=STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prep = completion_inputs(body, engine, served_model_name, max_prompts_per_request)
+        prep = await run_in_threadpool(completion_inputs, body, engine, served_model_name,
+                                       max_prompts_per_request)
         cid = body.rid or f"cmpl-{uuid.uuid4().hex}"
         group = submit(prep, cid, body.stream)
         created = now()
@@ -246,6 +262,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         want_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
             offsets = [0] * len(group.rids)
+            extra = chunk_usage(prep, body)
 
             def render(i: int, out: StreamOutput, c: Choice) -> list[dict]:
                 if not (out.text or out.finished or (prep.return_logprob and out.logprobs)):
@@ -256,7 +273,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                     offsets[i] += sum(len(s) for s in lp["tokens"])
                 choice = {"index": i, "text": out.text, "logprobs": lp,
                           "finish_reason": finish_reason(out.finish_reason)}
-                return [{**base, "choices": [choice], **({"usage": None} if want_usage else {})}]
+                return [{**base, "choices": [choice], **extra(i, c)}]
 
             return sse_response(event_stream(group, render, [],
                                              usage_tail(base, prep.n, want_usage)))
@@ -268,7 +285,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
 
     @app.post("/v1/chat/completions", responses=STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prep = chat_inputs(body, engine, served_model_name, max_prompts_per_request)
+        prep = await run_in_threadpool(chat_inputs, body, engine, served_model_name,
+                                       max_prompts_per_request)
         cid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
         group = submit(prep, cid, body.stream)
         base = {"id": cid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
@@ -277,10 +295,10 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         shapers = [ChoiceOutput(prep.chat or ChatSpec(), tool_call_parser, reasoning_parser)
                    for _ in group.rids]
         if body.stream:
-            extra = {"usage": None} if want_usage else {}
+            extra = chunk_usage(prep, body)
             head = [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}], **extra}
-                    for i in range(len(group.rids))]
+                                          "logprobs": None, "finish_reason": None}],
+                     **extra(i, Choice())} for i in range(len(group.rids))]
 
             def render(i: int, out: StreamOutput, c: Choice) -> list[dict]:
                 delta = stream_delta(shapers[i], out.text, out.finished)
@@ -289,7 +307,7 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                 choice = {"index": i, "delta": delta,
                           "logprobs": chat_logprobs(out.logprobs) if prep.return_logprob else None,
                           "finish_reason": shapers[i].finish_reason(out.finish_reason)}
-                return [{**base, "choices": [choice], **extra}]
+                return [{**base, "choices": [choice], **extra(i, c)}]
 
             return sse_response(event_stream(group, render, head,
                                              usage_tail(base, prep.n, want_usage)))
@@ -300,16 +318,33 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
              "finish_reason": shapers[i].finish_reason(c.reason)}
             for i, c in enumerate(choices)], "usage": usage_of(choices, prep.n)})
 
-    @app.get("/v1/models", responses=ANY_ROUTE)
+    def get_and_head(path: str, **kw: Any) -> Callable:
+        """GET, and HEAD answering the same status without a body (not in the schema)."""
+        def register(fn: Callable) -> Callable:
+            app.head(path, include_in_schema=False)(fn)
+            return app.get(path, **kw)(fn)
+        return register
+
+    def model_card() -> dict:
+        return {"id": served_model_name, "object": "model", "created": now(),
+                "owned_by": "blockspec", "max_model_len": engine.context_length}
+
+    @get_and_head("/v1/models", responses=ANY_ROUTE)
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model",
-                                            "created": now(), "owned_by": "blockspec",
-                                            "max_model_len": engine.context_length}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @get_and_head("/v1/models/{model_id:path}", responses={**ANY_ROUTE, **_errors(404)})
+    async def model(model_id: str) -> dict:
+        check_model(model_id, served_model_name)
+        return model_card()
+
+    add_tokenize_routes(app, engine, served_model_name, POSTED)
 
     # ---- sglang native --------------------------------------------------------------------------
     @app.post("/generate", responses=STREAMED)
     async def generate(body: GenerateRequest, request: Request) -> Response:
-        single, items, rids = generate_inputs(body, engine, max_prompts_per_request)
+        single, items, rids = await run_in_threadpool(generate_inputs, body, engine,
+                                                      max_prompts_per_request)
         base_id = rids[0] if rids and single else f"gen-{uuid.uuid4().hex}"
         group = client.submit(items, base_id=base_id, return_logprob=body.return_logprob,
                               stream=body.stream, rids=rids)
@@ -335,14 +370,14 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         return {"aborted": hits}
 
     # ---- operations ---------------------------------------------------------------------------------
-    @app.get("/health", responses={**ANY_ROUTE, **_errors(503)})
+    @get_and_head("/health", responses={**ANY_ROUTE, **_errors(503)})
     async def health() -> Response:
         if client.closing is not None or client.draining or not engine.stats().alive:
             return error_response(503, "the engine loop is not running"
                                   if not engine.stats().alive else "the server is shutting down")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses={
+    @get_and_head("/metrics", response_class=PlainTextResponse, responses={
         **ANY_ROUTE, 200: {"description": "Prometheus text format",
                            "content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}})
     async def metrics_route() -> Response:

@@ -72,6 +72,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False     # usage so far in every chunk (vLLM's option)
 
 
 # The schema of fields typed Any (their shapes are checked in validate.py, with messages that
@@ -134,7 +135,11 @@ class _Sampling(_Body):
     presence_penalty: float | None = Field(None, json_schema_extra=ONLY_ZERO)
     frequency_penalty: float | None = Field(None, json_schema_extra=ONLY_ZERO)
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    # accepted and ignored: they change nothing in the output
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     rid: str | None = None                      # request id (sglang); abort it by this id
     response_format: ResponseFormat | None = None   # structured output (text: no constraint)
     regex: str | None = None                    # sglang's constraints, one at a time
@@ -212,6 +217,23 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None      # e.g. {"enable_thinking": false}
     separate_reasoning: bool = Field(True, description="false: reasoning stays in content")
     include_reasoning: bool = Field(True, description="false: reasoning is dropped")
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a text, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None      # default: True for prompt, False for messages
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Token]
 
 
 class GenerateRequest(_Body):
