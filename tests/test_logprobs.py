@@ -3,11 +3,14 @@ prefill chunks, from any start, with max_new_tokens 0), top alternatives are sor
 with the chosen token, and speculation returns the target's numbers at each committed position."""
 from __future__ import annotations
 
+import queue
+
 import pytest
 import torch
 
 from blockspec import Engine
 from blockspec.engine.engine import GenerateError
+from blockspec.sampling import SamplingParams
 from tests.test_penalties import _engine, target  # noqa: F401 - the module's fixture
 
 PROMPT = [3, 8, 13, 5, 5, 21, 1, 17, 9, 4, 11]
@@ -60,9 +63,6 @@ def test_prompt_logprobs_from_a_start_position(target):  # noqa: F811
 def test_streamed_prompt_logprobs_come_once_with_the_first_output(target):  # noqa: F811
     e = _engine(*target, "NONE")
     try:
-        from blockspec.sampling import SamplingParams
-        import queue
-
         outs: queue.SimpleQueue = queue.SimpleQueue()
         e.submit(PROMPT, SamplingParams(**GREEDY), outs.put, stream=True, logprob_start_len=0,
                  top_logprobs_num=2)
@@ -94,7 +94,7 @@ def test_top_logprobs_are_the_targets_and_agree_with_the_chosen_token(target, al
                 vals = [v for v, _ in top]
                 assert len(top) == 5 and vals == sorted(vals, reverse=True)
                 if tok in [t for _, t in top]:
-                    assert dict((t, v) for v, t in top)[tok] == lp     # the same number
+                    assert {t: v for v, t in top}[tok] == lp     # the same number
                 else:
                     assert lp <= vals[-1]
                 ref_v, ref_i = lsm[3 + j].topk(5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
 from blockspec import Engine
 from blockspec.engine.engine import GenerateError
@@ -201,8 +202,6 @@ def _exact_penalised_joint(e: Engine, prompt: list[int], params: dict) -> dict:
 
 
 def test_seeded_sampling_follows_the_penalised_law_under_dflash(target):
-    from scipy.stats import chisquare
-
     params = {"max_new_tokens": 2, "temperature": 1.0, "ignore_eos": True, "frequency_penalty": 1.5,
               "presence_penalty": 0.5, "repetition_penalty": 1.4, "logit_bias": {11: 1.0}}
     prompt, n = [7, 5], 4000
