@@ -153,7 +153,7 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: Any = Field(json_schema_extra=PROMPT_SCHEMA)
-    max_tokens: AtLeastZero | None = Field(None, description="0 only with echo")
+    max_tokens: AtLeastZero | None = Field(None, description=">= 1 (0 only with echo)")
     logprobs: TopN | None = None                # the chosen tokens' and this many alternatives
     echo: bool = False                          # the prompt (and its logprobs) come first
     suffix: str | None = Field(None, json_schema_extra={"anyOf": [{"const": ""}, {"type": "null"}]})
