@@ -9,6 +9,7 @@ from scipy.stats import chisquare
 
 from blockspec import Engine
 from blockspec.engine.engine import GenerateError
+from blockspec.forward_metadata import Mode
 from blockspec.penalties import PenaltyState, count_tokens, penalize
 from blockspec.sampling import SamplingParams, SamplingParamsError, params_to_tensors, target_probs
 from tests.spec_fixtures import draft_config, make_spec_target, write_draft
@@ -227,3 +228,29 @@ def test_seeded_sampling_follows_the_penalised_law_under_dflash(target):
     assert chisquare(obs, [x * scale for x in exp]).pvalue > 0.01
     # the penalties moved the law: the plain target's favourite pair is much rarer
     assert counts.get((5, 5), 0) < 0.5 * n
+
+
+@pytest.mark.parametrize("algo", ["NONE", "DFLASH"])
+def test_penalised_requests_computed_again_after_a_failed_step_lose_nothing(target, algo):
+    """A step fails once, mid-forward, after the state has moved on: the requests are rolled
+    back, their penalty rows filled again from their committed tokens, and they end exactly as
+    in a clean run."""
+    e = _engine(*target, algo)
+    try:
+        clean = [o["output_ids"] for o in e.generate(input_ids=PROMPTS[:3], sampling_params=PENALISED)]
+        real = type(e.model)._mamba
+        fired = {"n": 0}
+
+        def failing(mixer, n, x, meta):
+            out = real(mixer, n, x, meta)
+            if meta.mode in (Mode.DECODE, Mode.VERIFY) and fired["n"] == 0 \
+                    and int(meta.positions.max()) >= 12:
+                fired["n"] += 1
+                raise RuntimeError("injected failure")
+            return out
+
+        e.model._mamba = failing
+        again = [o["output_ids"] for o in e.generate(input_ids=PROMPTS[:3], sampling_params=PENALISED)]
+        assert fired["n"] == 1 and again == clean
+    finally:
+        e.shutdown()
