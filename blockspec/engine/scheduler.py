@@ -51,7 +51,9 @@ class Drafter(Protocol):
 
     def launch(self, batch: StepBatch | None, prev: Launched | None = None) -> Launched: ...
 
-    def results(self, step: Launched) -> list[tuple]: ...
+    def results(self, step: Launched) -> list[tuple]:
+        """Per request: (accepted drafts, committed tokens, their logprobs, their top
+        alternatives or None)."""
 
 
 # a request that was among the suspects of this many failed steps is ended even when the
