@@ -202,11 +202,12 @@ def _exact_penalised_joint(e: Engine, prompt: list[int], params: dict) -> dict:
     return joint
 
 
-def test_seeded_sampling_follows_the_penalised_law_under_dflash(target):
+@pytest.mark.parametrize("algo", ["DFLASH", "DSPARK"])
+def test_seeded_sampling_follows_the_penalised_law_under_speculation(target, algo):
     params = {"max_new_tokens": 2, "temperature": 1.0, "ignore_eos": True, "frequency_penalty": 1.5,
               "presence_penalty": 0.5, "repetition_penalty": 1.4, "logit_bias": {11: 1.0}}
     prompt, n = [7, 5], 4000
-    e = _engine(*target, "DFLASH", max_running_requests=1000, max_total_tokens=1000 * 12)
+    e = _engine(*target, algo, max_running_requests=1000, max_total_tokens=1000 * 12)
     try:
         outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
         assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) == n
