@@ -136,3 +136,27 @@ def test_bad_values_are_400s_naming_the_field(served, route, body, param):
     r = httpx.post(f"{url}/v1/{'chat/' if route == 'chat' else ''}completions", json=req, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_lm_eval_loglikelihood_reads_what_it_expects(served):
+    """lm-eval's local-completions loglikelihood: token-id prompts context + continuation, echo,
+    max_tokens 1, logprobs 1; it sums token_logprobs[ctxlen:-1] and calls the continuation
+    greedy when each equals the best of its top_logprobs."""
+    client, _, engine = served
+    ctx = engine.tokenizer.encode(PROMPT)
+    greedy = engine.generate(input_ids=ctx, sampling_params={"max_new_tokens": 3, "temperature": 0,
+                                                              "ignore_eos": True})["output_ids"]
+    other = [(t + 1) % engine.config.vocab_size for t in greedy]
+    r = client.completions.create(model="tiny", prompt=[ctx + greedy, ctx + other], max_tokens=1,
+                                  temperature=0, logprobs=1, echo=True, seed=1234)
+    lsm = torch.log_softmax(engine.runner.score([ctx + other])[0].float(), dim=-1)
+    results = []
+    for choice, cont in zip(sorted(r.choices, key=lambda c: c.index), (greedy, other)):
+        lp = choice.logprobs
+        span = lp.token_logprobs[len(ctx):-1]
+        assert len(span) == len(cont)
+        results.append((sum(span), all(t == max(top.values())
+                                       for t, top in zip(span, lp.top_logprobs[len(ctx):-1]))))
+    assert results[0][1] and not results[1][1]
+    want = sum(float(lsm[len(ctx) + j - 1, t]) for j, t in enumerate(other))
+    assert abs(results[1][0] - want) < 1e-3
