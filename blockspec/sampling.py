@@ -27,23 +27,11 @@ import torch
 
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.kernels.uniforms import uniforms_fused
+from blockspec.penalties import penalty_error, uses_penalties
 
-__all__ = [
-    "SamplingParams",
-    "SamplingParamsError",
-    "TOP_K_MAX",
-    "SEED_LIMIT",
-    "GREEDY_BELOW",
-    "not_utf8",
-    "target_probs",
-    "params_to_tensors",
-    "Stream",
-    "uniforms",
-    "request_seed",
-    "inverse_cdf_sample",
-    "sample",
-    "logprobs_of",
-]
+__all__ = ["SamplingParams", "SamplingParamsError", "TOP_K_MAX", "SEED_LIMIT", "GREEDY_BELOW",
+           "not_utf8", "target_probs", "params_to_tensors", "Stream", "uniforms", "request_seed",
+           "inverse_cdf_sample", "sample", "logprobs_of"]
 
 # What the step buffers can hold (runtime/metadata.py: int64 and float32 rows). top_k is
 # bounded at int32 (any value >= the vocabulary already keeps every token); seeds are uint64
@@ -118,6 +106,13 @@ class SamplingParams:
     json_object: bool = False
     regex: str | None = None
     ebnf: str | None = None
+    # logit processing on the device (blockspec/penalties.py): OpenAI's presence / frequency
+    # penalties, vLLM's repetition_penalty, token id -> bias, sglang's min_new_tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_new_tokens: int = 0
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SamplingParams":
@@ -211,6 +206,9 @@ class SamplingParams:
                 raise bad("seed", f"seed must be an int or None, got {type(self.seed).__name__}")
             if not 0 <= self.seed < SEED_LIMIT:
                 raise bad("seed", f"seed must be in [0, 2**64), got {_show(self.seed)}")
+        found = penalty_error(self)
+        if found is not None:
+            raise bad(*found)
         self.constraint()
 
     def constraint(self) -> tuple[str, str] | None:
@@ -251,6 +249,10 @@ class SamplingParams:
         """Greedy rows are argmax-decoded and verified with exact-match acceptance; so are
         temperatures below GREEDY_BELOW (their tempered logits overflow float32)."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return uses_penalties(self)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

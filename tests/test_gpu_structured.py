@@ -45,18 +45,21 @@ def _valid(text: str) -> bool:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """fp32 (so target-only and verify agree on every argmax), graphs on."""
+    """fp32 (so target-only and verify agree on every argmax), graphs on, and an eager DFlash.
+    Each engine builds its own target and draft (the same seeded weights): engines share no
+    module, since an engine prepares its model and draft for its own graphs."""
     dev, dtype = torch.device("cuda"), torch.float32
     cfg = preset_config("lightning-mini")
     tok = synthetic_tokenizer(cfg["vocab_size"], tmp_path_factory.mktemp("vocab"))
-    model = build_target("lightning-mini", dev, dtype)
     kw = dict(tokenizer=tok, max_running_requests=64, max_total_tokens=64 * 128)
-    out = {"none": Engine.from_model(model, **kw),
-           "none_eager": Engine.from_model(model, disable_cuda_graph=True, **kw)}
-    for kind, block in (("dflash", 4), ("dspark", 3)):
-        draft = build_draft(kind, cfg, block, dev, dtype)
-        out[kind] = Engine.from_model(model, draft=draft, **kw)
-        out[f"{kind}_eager"] = Engine.from_model(model, draft=draft, disable_cuda_graph=True, **kw)
+    out = {}
+    for name, kind, eager in (("none", None, False), ("dflash", "dflash", False),
+                              ("dflash_eager", "dflash", True),
+                              ("dspark", "dspark", False)):
+        draft = (build_draft(kind, cfg, 4 if kind == "dflash" else 3, dev, dtype)
+                 if kind else None)
+        out[name] = Engine.from_model(build_target("lightning-mini", dev, dtype), draft=draft,
+                                      disable_cuda_graph=eager, **kw)
     yield out
     for e in out.values():
         e.shutdown()

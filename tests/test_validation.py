@@ -277,7 +277,11 @@ def test_openapi_says_what_the_server_accepts_and_answers(served, engine):
     ids = body["prompt"]["anyOf"][2]["items"]
     assert ids["minimum"] == 0 and ids["maximum"] == engine.config.vocab_size - 1
     max_tokens = [s for s in body["max_tokens"]["anyOf"] if s.get("type") == "integer"][0]
-    assert max_tokens["minimum"] == 1 and max_tokens["maximum"] == engine.context_length - 1
+    # completions take max_tokens 0 with echo (the prompt's logprobs alone); chat never
+    assert max_tokens["minimum"] == 0 and max_tokens["maximum"] == engine.context_length - 1
+    chat = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["max_tokens"]
+    chat = [s for s in chat["anyOf"] if s.get("type") == "integer"][0]
+    assert chat["minimum"] == 1 and chat["maximum"] == engine.context_length - 1
     seed = [s for s in body["seed"]["anyOf"] if s.get("type") == "integer"][0]
     assert seed["minimum"] == 0 and seed["exclusiveMaximum"] == 2**64
     # 5.0 is an integer to JSON Schema, so the server takes it

@@ -25,6 +25,8 @@ from blockspec.grammar import GrammarCompiler, Matcher
 from blockspec.kernels.triton_loader import triton_importable
 from blockspec.models.loader import load_target
 from blockspec.models.nemotron_h import NemotronHForCausalLM
+from blockspec.penalties import bias_token
+from blockspec.runtime.logprobs import TOP_LOGPROBS_MAX
 from blockspec.runtime.model_runner import ModelRunner, RunnerOptions
 from blockspec.sampling import SamplingParams, not_utf8
 from blockspec.speculative.worker import SpecWorker, build_spec_worker
@@ -88,6 +90,21 @@ def check_context(prompt_len: int, max_new_tokens: int, context: int, *, prompt_
                         f"{_short(max_new_tokens)}, together more than the context of {context} "
                         f"tokens{source}; lower {tokens_param} to at most {context - prompt_len}",
                         tokens_param)
+
+
+def check_logprob_args(top_logprobs_num: Any, logprob_start_len: Any) -> None:
+    """``top_logprobs_num`` in [0, TOP_LOGPROBS_MAX] and ``logprob_start_len`` an int >= -1."""
+    if not _is_int_arg(top_logprobs_num) or not 0 <= top_logprobs_num <= TOP_LOGPROBS_MAX:
+        raise GenerateError(f"top_logprobs_num must be an int in [0, {TOP_LOGPROBS_MAX}], got "
+                            f"{_short(top_logprobs_num)}", "top_logprobs_num")
+    if not _is_int_arg(logprob_start_len) or logprob_start_len < -1:
+        raise GenerateError("logprob_start_len must be an int >= -1 (-1: no prompt logprobs, "
+                            f"0: every prompt token), got {_short(logprob_start_len)}",
+                            "logprob_start_len")
+
+
+def _is_int_arg(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -218,14 +235,22 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None,
                  sampling_params: dict | list[dict] | None = None,
                  return_logprob: bool = False,
-                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+                 stream: bool = False, *, top_logprobs_num: int = 0,
+                 logprob_start_len: int = -1) -> dict | list[dict] | Iterator[dict]:
         """One prompt gives a dict ``{"text", "output_ids", "meta_info"}``, a list gives a list.
 
         With ``stream=True``: an iterator of deltas, one per step that changed a request,
         ``{"text": new text, "output_ids": new ids, "meta_info": {...}}`` (plus ``"index"`` into
         the prompt list when a list was given); the deltas concatenate to the non-streamed
         result and each request's last delta carries its full ``meta_info``. Closing the
-        iterator early aborts what is still running."""
+        iterator early aborts what is still running.
+
+        ``top_logprobs_num`` (0..20) adds each output token's top alternatives
+        (``meta_info["output_top_logprobs"]``), ``logprob_start_len`` >= 0 the prompt's
+        logprobs from that position (``input_token_logprobs``, ``input_top_logprobs``); either
+        implies ``return_logprob``."""
+        check_logprob_args(top_logprobs_num, logprob_start_len)
+        lp_args = (top_logprobs_num, logprob_start_len)
         single, id_lists, param = self._normalize_prompts(prompt, input_ids)
         params = self._normalize_params(sampling_params, len(id_lists))
         for i, (ids, p) in enumerate(zip(id_lists, params)):   # all or nothing: nothing is
@@ -234,7 +259,7 @@ class Engine:
         per_step = stream or self.on_step is not None     # the progress hook wants every step
         group = uuid.uuid4().hex        # one call's prompts share the engine with other callers
         with self._require_loop().grouped():
-            rids = [self._enqueue(ids, p, outputs.put, return_logprob, per_step, None, group)
+            rids = [self._enqueue(ids, p, outputs.put, return_logprob, per_step, None, group, lp_args)
                     for ids, p in zip(id_lists, params)]
         if stream:
             return self._stream(rids, outputs, single)
@@ -257,20 +282,23 @@ class Engine:
 
     def submit(self, input_ids: list[int], params: SamplingParams,
                sink: Callable[[StreamOutput], None], *, return_logprob: bool = False,
-               stream: bool = True, rid: str | None = None, group: object = None) -> str:
+               stream: bool = True, rid: str | None = None, group: object = None,
+               top_logprobs_num: int = 0, logprob_start_len: int = -1) -> str:
         """Queue one request on the engine loop and return its id; its ``StreamOutput``s go to
         ``sink`` from the loop thread (which must not block). Raises GenerateError (or
         SamplingParamsError) naming the argument when the request is malformed or can never
         fit (``check_request``). Requests submitted with the same ``group`` (one client
-        request's prompts) are admitted round-robin with other groups. This is the entry
-        point for servers."""
+        request's prompts) are admitted round-robin with other groups; ``top_logprobs_num`` and
+        ``logprob_start_len`` as for ``generate``. This is the entry point for servers."""
         self._require_loop()
+        check_logprob_args(top_logprobs_num, logprob_start_len)
         if rid is not None:
             if not isinstance(rid, str):
                 raise GenerateError(f"rid must be a string, got {type(rid).__name__}", "rid")
             check_text(rid, "rid")
         self.check_request(input_ids, params)
-        return self._enqueue(input_ids, params, sink, return_logprob, stream, rid, group)
+        return self._enqueue(input_ids, params, sink, return_logprob, stream, rid, group,
+                             (top_logprobs_num, logprob_start_len))
 
     def check_request(self, input_ids: list[int], params: SamplingParams,
                       param: str = "input_ids") -> None:
@@ -287,6 +315,8 @@ class Engine:
         params.validate()
         if params.stop_token_ids:
             check_token_ids(list(params.stop_token_ids), vocab, "stop_token_ids")
+        if params.logit_bias:
+            check_token_ids([bias_token(k) for k in params.logit_bias], vocab, "logit_bias")
         check_context(len(input_ids), params.max_new_tokens, self.config.max_position_embeddings,
                       prompt_param=param, tokens_param="max_new_tokens",
                       source=" (the model's max_position_embeddings)")
@@ -297,11 +327,14 @@ class Engine:
         self.compile_grammar(params)
 
     def _enqueue(self, input_ids: list[int], params: SamplingParams, sink: Callable[[StreamOutput], None],
-                 return_logprob: bool, stream: bool, rid: str | None, group: object = None) -> str:
+                 return_logprob: bool, stream: bool, rid: str | None, group: object = None,
+                 lp_args: tuple[int, int] = (0, -1)) -> str:
         """Hand an already checked request to the loop."""
+        top, start = lp_args
         req = Request(rid=rid if rid is not None else uuid.uuid4().hex, prompt_ids=list(input_ids),
-                      params=params, return_logprob=return_logprob, group=group,
-                      grammar=self._matcher(params))
+                      params=params, return_logprob=return_logprob or top > 0 or start >= 0,
+                      group=group, grammar=self._matcher(params), top_logprobs_num=top,
+                      logprob_start_len=start)
         try:
             self._require_loop().submit(req, sink, stream=stream)
         except EngineClosedError as e:

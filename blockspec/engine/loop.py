@@ -43,6 +43,12 @@ class StreamOutput:
     finish_reason: dict | None = None           # stop / length / abort / error (with "message")
     accept_lengths: list[int] = field(default_factory=list)   # tokens committed per verify, bonus incl.
     time: float = 0.0                           # time.monotonic() when the output left the loop
+    # with top_logprobs_num: the top (logprob, id) alternatives of each new token
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # with logprob_start_len >= 0, once (the first output): the prompt's (logprob, id) from
+    # that position (position 0's logprob is None) and their top alternatives
+    prompt_logprobs: list[tuple[float | None, int]] | None = None
+    prompt_top_logprobs: list[list[tuple[float, int]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -71,6 +77,7 @@ class _Live:
     stream: bool = True                        # False: only the final output is sent
     sent_ids: int = 0
     sent_logprobs: int = 0
+    sent_prompt: bool = False
     histogram: list[int] = field(default_factory=list)   # spec_accept_histogram last reported
 
 
@@ -278,7 +285,12 @@ class EngineLoop:
         req = live.req
         ids = req.output_ids[live.sent_ids:]
         lps = req.output_logprobs[live.sent_logprobs:]
+        tops = req.output_top_logprobs[live.sent_logprobs:]
         live.sent_ids, live.sent_logprobs = len(req.output_ids), len(req.output_logprobs)
+        prompt = prompt_tops = None
+        if req.logprob_start_len >= 0 and not live.sent_prompt and (final or ids):
+            prompt, prompt_tops = list(req.prompt_logprobs), list(req.prompt_top_logprobs)
+            live.sent_prompt = True
         if final:
             full = req.text          # set by the scheduler when it retires the request
             if not full and req.output_ids and self._detokenize is not None \
@@ -292,7 +304,9 @@ class EngineLoop:
                     "completion_tokens": len(req.output_ids), "finish_reason": None}
         return StreamOutput(rid=req.rid, token_ids=ids, text=text, logprobs=lps, meta_info=meta,
                             finish_reason=req.finish_reason if final else None,
-                            accept_lengths=self._new_accepts(live), time=time.monotonic())
+                            accept_lengths=self._new_accepts(live), time=time.monotonic(),
+                            top_logprobs=tops, prompt_logprobs=prompt,
+                            prompt_top_logprobs=prompt_tops)
 
     @staticmethod
     def _new_accepts(live: _Live) -> list[int]:

@@ -33,6 +33,13 @@ class Request:
     grammar: Matcher | None = None        # structured output: advanced by every committed token
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    # top alternatives (logprob, id) per output token and prompt logprobs from position
+    # ``logprob_start_len`` on (-1: none; position 0's is None), when asked (sglang's names)
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     cache: Reservation = field(default_factory=Reservation)
     num_cached: int = 0                   # tokens whose KV / Mamba state are committed
     finish_reason: dict | None = None
@@ -66,6 +73,7 @@ class Request:
         """Forget what a failed step added; the cache state is computed again (num_cached 0)."""
         del self.output_ids[mark.outputs:]
         del self.output_logprobs[mark.logprobs:]
+        del self.output_top_logprobs[mark.logprobs:]
         self.spec_verify_ct, self.spec_accept_histogram = mark.verifies, list(mark.histogram)
         self.first_token_time = mark.first_token_time
         self.finish_reason, self.text, self.finished_time = None, "", None
@@ -88,6 +96,11 @@ class Request:
             info["output_throughput"] = len(self.output_ids) / e2e if e2e > 0 else 0.0
         if self.return_logprob:
             info["output_token_logprobs"] = list(self.output_logprobs)
+            if self.top_logprobs_num:
+                info["output_top_logprobs"] = list(self.output_top_logprobs)
+            if self.logprob_start_len >= 0:
+                info["input_token_logprobs"] = list(self.prompt_logprobs)
+                info["input_top_logprobs"] = list(self.prompt_top_logprobs)
         if speculative:
             committed = sum(n * (i + 1) for i, n in enumerate(self.spec_accept_histogram))
             info["spec_verify_ct"] = self.spec_verify_ct

@@ -36,6 +36,7 @@ from torch.profiler import record_function
 
 from blockspec.cache import MemoryManager
 from blockspec.engine.fair_queue import FairQueue, group_of
+from blockspec.engine.prompt_logprobs import logits_rows, record
 from blockspec.engine.request import Mark, Request
 from blockspec.engine.stop import append_tokens
 from blockspec.runtime.metadata import StepBatch
@@ -54,7 +55,9 @@ class Drafter(Protocol):
 
     def begin(self, batch: StepBatch | None, prev: Launched | None = None) -> Pending: ...
 
-    def results(self, step: Launched) -> list[tuple[int, list[int], list[float]]]: ...
+    def results(self, step: Launched) -> list[tuple]:
+        """Per request: (accepted drafts, committed tokens, their logprobs, their top
+        alternatives or None)."""
 
 
 # a request that was among the suspects of this many failed steps is ended even when the
@@ -206,8 +209,10 @@ class Scheduler:
             chunks.append((req, req.num_cached, req.num_cached + n))
             budget -= n
         self._touch([r for r, _, _ in chunks])
+        wanted, last, where = logits_rows(chunks)
         out, rows = self.runner.extend([r.cache.slot for r, _, _ in chunks], [s for _, s, _ in chunks],
-                                       [r.context_ids[s:e] for r, s, e in chunks])
+                                       [r.context_ids[s:e] for r, s, e in chunks], rows=wanted)
+        record(chunks, where, out.logits)
         for req, _, e in chunks:
             req.num_cached = e
         if self.drafter is not None:
@@ -223,13 +228,17 @@ class Scheduler:
                 req.finish_reason = {"type": "length", "length": 0}
             else:
                 self.running.append(req)
+                self.runner.fill_penalties(req.cache.slot, req.prompt_ids, req.output_ids,
+                                           req.params, [*self.eos, *(req.params.stop_token_ids or ())])
         live = [i for i, req in enumerate(done) if not req.finished and id(req) not in resumed]
         if live:
             reqs = [done[i] for i in live]
-            logits = out.logits[torch.tensor([done_rows[i] for i in live], device=out.logits.device)]
-            picked = self.runner.sample_rows(logits, self._step_batch(reqs)).cpu().tolist()
-            for req, (tok, lp) in zip(reqs, picked):
-                self._append(req, [int(tok)], [lp])
+            logits = out.logits[torch.tensor([last[done_rows[i]] for i in live],
+                                             device=out.logits.device)]
+            batch = self._step_batch(reqs)
+            picked = self.runner.sample_rows(logits, batch).cpu().tolist()
+            for req, (_, toks, lps, tops) in zip(reqs, self.runner.picked(picked, batch.sampling_key())):
+                self._append(req, toks, lps, tops)
         self._retire([req for req in done if req.finished])
         return [req for req in done if id(req) not in resumed]
 
@@ -248,6 +257,8 @@ class Scheduler:
             sample_counters=[len(r.output_ids) for r in reqs],
             verify_counters=[r.spec_verify_ct for r in reqs],
             want_logprobs=any(r.return_logprob for r in reqs),
+            penalized=any(r.params.penalized for r in reqs),
+            top_logprobs=any(r.top_logprobs_num > 0 for r in reqs),
             grammars=[r.grammar for r in reqs] if any(r.grammar is not None for r in reqs) else None)
 
     def _launch(self, reqs: list[Request] | None, prev: Launched | None = None) -> Launched:
@@ -299,12 +310,12 @@ class Scheduler:
             self._inflight = self._launch(None, cur) if same else None
         with record_function("decode.readback"):
             if self.drafter is None:
-                results = [(0, [int(tok)], [lp]) for tok, lp in self.runner.collect(cur)]
+                results = self.runner.picked(self.runner.collect(cur), cur.key)
             else:
                 results = self.drafter.results(cur)
         changed = []
         live = {id(r) for r in self.running}
-        for req, (a, tokens, lps) in zip(cur.tag, results):
+        for req, (a, tokens, lps, tops) in zip(cur.tag, results):
             if req.finished or id(req) not in live:   # finished, aborted or preempted since
                 continue
             req.num_cached += a + 1
@@ -313,7 +324,7 @@ class Scheduler:
                 if not req.spec_accept_histogram:
                     req.spec_accept_histogram = [0] * self.drafter.lookahead
                 req.spec_accept_histogram[a] += 1
-            self._append(req, tokens, lps)
+            self._append(req, tokens, lps, tops)
             changed.append(req)
         if ahead is not None:
             self._inflight = self._complete(ahead, cur.tag)
@@ -332,10 +343,11 @@ class Scheduler:
         return finished
 
     # ---- stop rules (engine/stop.py) --------------------------------------------------------
-    def _append(self, req: Request, tokens: list[int], logprobs: list[float] | None) -> None:
+    def _append(self, req: Request, tokens: list[int], logprobs: list[float] | None,
+                tops: list | None = None) -> None:
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
-        append_tokens(req, tokens, logprobs, eos=self.eos, detokenize=self.detokenize)
+        append_tokens(req, tokens, logprobs, eos=self.eos, detokenize=self.detokenize, tops=tops)
 
     # ---- fault isolation ---------------------------------------------------------------------
     def recover(self, error: BaseException) -> list[Request]:

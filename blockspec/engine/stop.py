@@ -21,7 +21,7 @@ REPLACEMENT = "\ufffd"     # what a decoder shows for bytes that do not (yet) fo
 
 
 def append_tokens(req: Request, tokens: list[int], logprobs: list[float] | None, *,
-                  eos: set[int], detokenize: Detokenize | None) -> None:
+                  eos: set[int], detokenize: Detokenize | None, tops: list | None = None) -> None:
     """Append ``tokens`` to ``req.output_ids`` until a stop rule fires (then set
     ``req.finish_reason`` and drop the rest). A request's grammar sees every appended token
     and ends the request once it has accepted its stop token (even with ``ignore_eos``)."""
@@ -32,6 +32,8 @@ def append_tokens(req: Request, tokens: list[int], logprobs: list[float] | None,
         req.output_ids.append(tok)
         if req.return_logprob and logprobs is not None:
             req.output_logprobs.append((float(logprobs[i]), tok))
+            if req.top_logprobs_num and tops is not None:
+                req.output_top_logprobs.append(tops[i][:req.top_logprobs_num])
         ended = req.grammar is not None and req.grammar.accept(tok)
         if ended or tok in stop_ids or (not p.ignore_eos and tok in eos):
             req.finish_reason = {"type": "stop", "matched": tok}

@@ -23,6 +23,7 @@ from blockspec.attention.base import AttentionBackend
 from blockspec.cache import KVPool, MambaStatePool
 from blockspec.forward_metadata import ForwardMetadata, Mode, flat_slots
 from blockspec.grammar import Matcher
+from blockspec.penalties import PenaltyState
 
 
 # (buffer field, StepBatch attribute); the order is the buffer's row order
@@ -47,6 +48,8 @@ class StepBatch:
     verify_counters: list[int]        # verify steps so far (speculative streams)
     want_logprobs: bool = False
     grammars: list[Matcher | None] | None = None    # per row; None when no row is constrained
+    penalized: bool = False           # some row has a penalty, logit_bias or min_new_tokens
+    top_logprobs: bool = False        # some row wants its top alternatives' logprobs
 
     @property
     def size(self) -> int:
@@ -67,9 +70,11 @@ class StepBatch:
         """Some row has a grammar: its logits are masked by host-computed bitmasks."""
         return self.grammars is not None and any(g is not None for g in self.grammars)
 
-    def sampling_key(self) -> tuple[bool, bool, bool, bool]:
-        """What decides which sampling code a step runs (one captured graph each)."""
-        return self.greedy_only, self.filters, self.want_logprobs, self.constrained
+    def sampling_key(self) -> tuple[bool, bool, bool, bool, bool, bool]:
+        """What decides which sampling code a step runs (one captured graph each); a batch
+        with no penalty and no top logprobs runs exactly the code it ran before they existed."""
+        return (self.greedy_only, self.filters, self.want_logprobs, self.constrained,
+                self.penalized, self.top_logprobs)
 
 
 class StepInputs:
@@ -97,6 +102,14 @@ class StepInputs:
         # grammar bitmasks [max_bs, width, words], made by the first constrained batch
         self.mask_host: torch.Tensor | None = None
         self.mask_dev: torch.Tensor | None = None
+        self._mask_sent: torch.cuda.Event | None = None    # behind the last mask upload
+        self.penalties: PenaltyState | None = None      # made by the first penalised request
+
+    def reserve_penalties(self, vocab: int) -> PenaltyState:
+        """The penalty buffers (one row per cache slot, the dummy slot's included), once."""
+        if self.penalties is None:
+            self.penalties = PenaltyState(self.dummy_slot + 1, vocab, self.device)
+        return self.penalties
 
     def reserve_masks(self, width: int, words: int) -> None:
         """Allocate the bitmask buffers once (a captured graph keeps reading the same device
@@ -114,6 +127,8 @@ class StepInputs:
         token's mask, or with ``drafts`` one row per verify position; dummy rows up to
         ``padded`` allow everything. Uploaded with one non-blocking copy."""
         host = self.mask_host
+        if self._mask_sent is not None:      # the last upload may still read the pinned rows
+            self._mask_sent.synchronize()
         for b, g in enumerate(grammars):
             if g is None:
                 host[b, :rows] = -1
@@ -123,6 +138,8 @@ class StepInputs:
         host[len(grammars):n, :rows] = -1
         if self.mask_dev is not self.mask_host:
             self.mask_dev[:n, :rows].copy_(host[:n, :rows], non_blocking=True)
+            self._mask_sent = torch.cuda.Event()
+            self._mask_sent.record()
 
     def _blocks(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffer as an int64 [fields, max_bs] block followed by a float32 one."""
@@ -170,6 +187,8 @@ class StepInputs:
         out = {name: t[:bs] for name, t in self.dev.items()}
         if self.mask_dev is not None:
             out["bitmask"] = self.mask_dev[:bs]
+        if self.penalties is not None:
+            out.update(self.penalties.views())
         return out
 
 
@@ -208,14 +227,19 @@ def same_rows(meta: ForwardMetadata, mode: Mode, input_ids: torch.Tensor, attn: 
 def extend_metadata(slots: list[int], starts: list[int], ids: list[list[int]], *,
                     device: torch.device, block_table: torch.Tensor, page_size: int,
                     attn: AttentionBackend, kv: KVPool | None, mamba: MambaStatePool | None,
-                    logits_all: bool, capture_layers: tuple[int, ...] = ()) -> ForwardMetadata:
-    """Prefill chunks: request b writes ids[b] at positions starts[b].. (one upload)."""
+                    logits_all: bool, capture_layers: tuple[int, ...] = (),
+                    rows: list[int] | None = None) -> ForwardMetadata:
+    """Prefill chunks: request b writes ids[b] at positions starts[b].. (one upload). Logits
+    rows: each chunk's last, every row (``logits_all``) or the flat ``rows`` given."""
     q_lens = [len(x) for x in ids]
     positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, q_lens)])
     row_req = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
     q_start = torch.zeros(len(q_lens) + 1, dtype=torch.long)
     q_start[1:] = torch.cumsum(torch.tensor(q_lens), 0)
-    rows = torch.arange(int(q_start[-1])) if logits_all else q_start[1:] - 1
+    if rows is not None:
+        rows = torch.tensor(rows, dtype=torch.long)
+    else:
+        rows = torch.arange(int(q_start[-1])) if logits_all else q_start[1:] - 1
     host = [torch.tensor([t for x in ids for t in x], dtype=torch.long), positions, row_req,
             torch.tensor(slots, dtype=torch.long), torch.tensor(starts, dtype=torch.long) + torch.tensor(q_lens),
             q_start, rows]

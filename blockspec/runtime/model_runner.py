@@ -26,8 +26,10 @@ from blockspec.forward_metadata import Mode
 from blockspec.grammar import bitmask_words, mask_logits
 from blockspec.layers.moe import MoE
 from blockspec.models.nemotron_h import ModelOutput, NemotronHForCausalLM
+from blockspec.penalties import count_tokens, penalize
 from blockspec.runtime.graph_runner import GraphRunner
 from blockspec.runtime.launched import Launched, Plan, StepFn
+from blockspec.runtime.logprobs import chosen_and_top, pack_top, top_width, unpack_top
 from blockspec.runtime.metadata import StepBatch, StepInputs, extend_metadata, uniform_metadata
 from blockspec.runtime.phases import Pending, PhasedSteps
 from blockspec.sampling import Stream, logprobs_of, sample, uniforms
@@ -66,18 +68,21 @@ class ModelRunner:
         self._turn = 0
         self.phased = PhasedSteps(self)      # grammar-constrained steps
         self._decode_plan = Plan((self.decode_forward, self.decode_finish), rows=1)
+        self.top_n = top_width(self.cfg.vocab_size)    # alternatives a step computes
 
     # ---- prefill -------------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(self, slots: list[int], starts: list[int], ids: list[list[int]],
-               logits_all: bool = False, capture_layers: tuple[int, ...] | None = None) -> tuple[ModelOutput, torch.Tensor]:
+               logits_all: bool = False, capture_layers: tuple[int, ...] | None = None,
+               rows: list[int] | None = None) -> tuple[ModelOutput, torch.Tensor]:
         """Prefill ``ids[b]`` at positions ``starts[b]..`` of request slot ``slots[b]``.
-        Returns the output (logits of each chunk's last row, or of every row) and the
-        metadata's positions and cache slots of the rows (for a drafter's context)."""
+        Returns the output (logits of each chunk's last row, of every row, or of the flat
+        ``rows`` given) and the metadata's positions and cache slots of the rows (for a
+        drafter's context)."""
         m = self.memory
         meta = extend_metadata(slots, starts, ids, device=self.device, block_table=m.block_table,
                                page_size=m.page_size, attn=self.prefill_attn, kv=m.kv, mamba=m.mamba,
-                               logits_all=logits_all,
+                               logits_all=logits_all, rows=rows,
                                capture_layers=self.capture_layers if capture_layers is None else capture_layers)
         return self.model(meta), torch.stack([meta.positions, meta.out_slots])
 
@@ -85,27 +90,53 @@ class ModelRunner:
     def sample_rows(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Sample one token per row of ``logits`` (prefill's first tokens), through the same
         inputs and sampler as a decode step. Returns [B, 2] float64 (token, logprob)."""
-        self.reserve_masks(batch)
+        self.reserve_buffers(batch)
         self.inputs.fill(batch, batch.size)
-        return self._pick(logits, self.inputs.view(batch.size), batch.sampling_key())
+        inp, key = self.inputs.view(batch.size), batch.sampling_key()
+        out = self._pick(logits, inp, key)
+        if batch.penalized:
+            count_tokens(inp["pen_counts"], inp["slot"], out[:, 0].long())
+        return out
 
-    def reserve_masks(self, batch: StepBatch) -> None:
-        """The grammar bitmask buffers, the first time a batch has a constrained row."""
+    def reserve_buffers(self, batch: StepBatch) -> None:
+        """The grammar bitmask buffers, the first time a batch has a constrained row, and the
+        penalty state, the first time one has a penalised row."""
         if batch.constrained:
             self.inputs.reserve_masks(self.memory.step_width, bitmask_words(self.cfg.vocab_size))
+        if batch.penalized:
+            self.inputs.reserve_penalties(self.cfg.vocab_size)
+
+    def fill_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int],
+                       params: object, banned: list[int]) -> None:
+        """A request's penalty row, once its prefill is done (its committed tokens are
+        ``prompt_ids`` + ``output_ids``). Nothing until the first penalised request; after
+        that every request's row is written, so no request inherits its slot's last owner."""
+        if getattr(params, "penalized", False) or self.inputs.penalties is not None:
+            self.inputs.reserve_penalties(self.cfg.vocab_size).fill(
+                slot, prompt_ids, output_ids, params, banned)
 
     @staticmethod
     def _pick(logits: torch.Tensor, inp: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
-        """Next token per row and its raw logprob, [B, 2] float64 (the one AR sampling path).
-        Constrained batches sample from the logits their bitmasks allow; the logprob stays the
+        """Next token per row and its raw logprob, [B, 2] float64 (the one AR sampling path),
+        then with top logprobs 2 * TOP_LOGPROBS_MAX columns (values, ids). Penalised and
+        constrained batches sample from the penalised, masked logits; the logprobs stay the
         model's own."""
-        greedy_only, filters, want_lp, constrained = key
-        scored = mask_logits(logits, inp["bitmask"][:, 0]) if constrained else logits
+        greedy_only, filters, want_lp, constrained, penalized, want_top = key
+        scored = penalize(logits, inp) if penalized else logits
+        scored = mask_logits(scored, inp["bitmask"][:, 0]) if constrained else scored
         u = None if greedy_only else uniforms(inp["seed"], inp["sample_ctr"], Stream.SAMPLE, 1)[:, 0]
         tok = sample(scored, inp["temperature"], inp["top_k"], inp["top_p"], inp["min_p"], u,
                      greedy_only=greedy_only, filters=filters)
+        if want_top:
+            lp, vals, ids = chosen_and_top(logits, tok, top_width(logits.shape[-1]))
+            return torch.cat([torch.stack([tok.double(), lp.double()], 1), pack_top(vals, ids)], 1)
         lp = logprobs_of(logits, tok) if want_lp else torch.zeros_like(logits[:, 0])
         return torch.stack([tok.double(), lp.double()], 1)
+
+    def picked(self, rows: list[list[float]], key: tuple) -> list[tuple]:
+        """``_pick``'s rows on the host: (0 drafts, [token], [logprob], top per token or None)."""
+        k = self.top_n
+        return [(0, [int(r[0])], [r[1]], unpack_top(r[2:], k) if key[5] else None) for r in rows]
 
     # ---- steps ---------------------------------------------------------------------------------
     def decode_step(self, inp: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
@@ -123,6 +154,8 @@ class ModelRunner:
                       logits: torch.Tensor) -> torch.Tensor:
         """Sample from the forward's logits and advance the inputs (the last phase)."""
         out = self._pick(logits, inp, key)
+        if key[4]:
+            count_tokens(inp["pen_counts"], inp["slot"], out[:, 0].long())
         self.advance_inputs(inp, out[:, 0].long(), torch.ones_like(inp["prefix"]), verified=False)
         return out
 
@@ -186,6 +219,7 @@ class ModelRunner:
             bs, key = batch.size, batch.sampling_key()
             if batch.constrained:
                 raise RuntimeError("a constrained batch runs in phases (PhasedSteps)")
+            self.reserve_buffers(batch)
         else:
             bs, key, fn, kind, width = prev.bs, prev.key, prev.fn, prev.kind, prev.width
         padded = self.graphs.padded_size(bs) if self.graphs is not None and not eager else None

@@ -38,7 +38,7 @@ class Runner(Protocol):
     inputs: StepInputs
     host_max_seq_len: int
 
-    def reserve_masks(self, batch: StepBatch) -> None: ...
+    def reserve_buffers(self, batch: StepBatch) -> None: ...
 
     def read_later(self, step: Launched, out: torch.Tensor) -> Launched: ...
 
@@ -71,7 +71,7 @@ class PhasedSteps:
         r = self.runner
         if batch is not None:
             bs, key = batch.size, batch.sampling_key()
-            r.reserve_masks(batch)
+            r.reserve_buffers(batch)
         else:
             bs, key, plan, kind, width = prev.bs, prev.key, prev.plan, prev.kind, prev.width
         padded = r.graphs.padded_size(bs) if r.graphs is not None else None

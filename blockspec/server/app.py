@@ -22,6 +22,7 @@ from blockspec.server import errors
 from blockspec.server.chat_output import ChatSpec, ChoiceOutput, check_parsers, stream_delta
 from blockspec.server.client import ClientGone, EngineClient, Group, ServerShuttingDown
 from blockspec.server.errors import APIError, error_body, error_response
+from blockspec.server.logprobs import chat_logprobs, completion_logprobs
 from blockspec.server.metrics import CONTENT_TYPE, Metrics
 from blockspec.server.middleware import Guard
 from blockspec.server.protocol import (
@@ -86,11 +87,16 @@ class Choice:
     logprobs: list[tuple[float, int]] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
     reason: dict | None = None
+    tops: list[list[tuple[float, int]]] = field(default_factory=list)
+    prompt: tuple[list, list] | None = None      # prompt (logprob, id) pairs and alternatives
 
     def add(self, out: StreamOutput) -> None:
         self.text += out.text
         self.ids += out.token_ids
         self.logprobs += out.logprobs
+        self.tops += out.top_logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt = (out.prompt_logprobs, out.prompt_top_logprobs or [])
         self.meta = out.meta_info
         self.reason = out.finish_reason or self.reason
 
@@ -231,26 +237,10 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
 
     def submit(prep: Prepared, base_id: str, stream: bool) -> Group:
         return client.submit(prep.items, base_id=base_id, return_logprob=prep.return_logprob,
-                             stream=stream)
+                             stream=stream, top_logprobs_num=prep.top_logprobs,
+                             logprob_start_len=0 if prep.prompt_logprobs else -1)
 
     # ---- OpenAI -------------------------------------------------------------------------------------
-    def completion_logprobs(lps: list[tuple[float, int]], start: int) -> dict:
-        tokens = [token_str(t) for _, t in lps]
-        offsets, at = [], start
-        for s in tokens:
-            offsets.append(at)
-            at += len(s)
-        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
-                "top_logprobs": None, "text_offset": offsets}
-
-    def chat_logprobs(lps: list[tuple[float, int]]) -> dict:
-        content = []
-        for lp, t in lps:
-            s = token_str(t)
-            content.append({"token": s, "logprob": lp, "top_logprobs": [],
-                            "bytes": None if "\ufffd" in s else list(s.encode())})
-        return {"content": content}
-
     @app.post("/v1/completions", responses=STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prep = await run_in_threadpool(completion_inputs, body, engine, served_model_name,
@@ -260,18 +250,28 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         created = now()
         base = {"id": cid, "object": "text_completion", "created": created, "model": served_model_name}
         want_usage = bool(body.stream_options and body.stream_options.include_usage)
+        echo = [item.echo for item in prep.items]      # None, or the prompt's text per choice
+        tops = prep.top_logprobs > 0
+
+        def lp_of(lps: list, top: list, start: int, prompt: tuple | None) -> dict:
+            return completion_logprobs(token_str, lps, top if tops else None, start,
+                                       prompt if prep.prompt_logprobs else None)
+
         if body.stream:
             offsets = [0] * len(group.rids)
             extra = chunk_usage(prep, body)
 
             def render(i: int, out: StreamOutput, c: Choice) -> list[dict]:
-                if not (out.text or out.finished or (prep.return_logprob and out.logprobs)):
+                first = echo[i] is not None
+                if not (out.text or out.finished or first or (prep.return_logprob and out.logprobs)):
                     return []
+                text, echo[i] = (echo[i] or "") + out.text, None
                 lp = None
                 if prep.return_logprob:
-                    lp = completion_logprobs(out.logprobs, offsets[i])
+                    prompt = c.prompt if first else None
+                    lp = lp_of(out.logprobs, out.top_logprobs, offsets[i], prompt)
                     offsets[i] += sum(len(s) for s in lp["tokens"])
-                choice = {"index": i, "text": out.text, "logprobs": lp,
+                choice = {"index": i, "text": text, "logprobs": lp,
                           "finish_reason": finish_reason(out.finish_reason)}
                 return [{**base, "choices": [choice], **extra(i, c)}]
 
@@ -279,8 +279,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                                              usage_tail(base, prep.n, want_usage)))
         choices = await collect(group, request)
         return JSONResponse({**base, "choices": [
-            {"index": i, "text": c.text, "finish_reason": finish_reason(c.reason),
-             "logprobs": completion_logprobs(c.logprobs, 0) if prep.return_logprob else None}
+            {"index": i, "text": (echo[i] or "") + c.text, "finish_reason": finish_reason(c.reason),
+             "logprobs": lp_of(c.logprobs, c.tops, 0, c.prompt) if prep.return_logprob else None}
             for i, c in enumerate(choices)], "usage": usage_of(choices, prep.n)})
 
     @app.post("/v1/chat/completions", responses=STREAMED)
@@ -305,7 +305,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                 if not (delta or out.finished or (prep.return_logprob and out.logprobs)):
                     return []
                 choice = {"index": i, "delta": delta,
-                          "logprobs": chat_logprobs(out.logprobs) if prep.return_logprob else None,
+                          "logprobs": chat_logprobs(token_str, out.logprobs, out.top_logprobs)
+                          if prep.return_logprob else None,
                           "finish_reason": shapers[i].finish_reason(out.finish_reason)}
                 return [{**base, "choices": [choice], **extra(i, c)}]
 
@@ -314,7 +315,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         choices = await collect(group, request)
         return JSONResponse({**base, "choices": [
             {"index": i, "message": shapers[i].message(c.text),
-             "logprobs": chat_logprobs(c.logprobs) if prep.return_logprob else None,
+             "logprobs": chat_logprobs(token_str, c.logprobs, c.tops) if prep.return_logprob
+             else None,
              "finish_reason": shapers[i].finish_reason(c.reason)}
             for i, c in enumerate(choices)], "usage": usage_of(choices, prep.n)})
 
@@ -347,7 +349,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                                                       max_prompts_per_request)
         base_id = rids[0] if rids and single else f"gen-{uuid.uuid4().hex}"
         group = client.submit(items, base_id=base_id, return_logprob=body.return_logprob,
-                              stream=body.stream, rids=rids)
+                              stream=body.stream, rids=rids, top_logprobs_num=body.top_logprobs_num,
+                              logprob_start_len=body.logprob_start_len)
 
         if body.stream:      # sglang's shape: cumulative text and ids in every chunk
             def render(i: int, out: StreamOutput, c: Choice) -> list[dict]:

@@ -87,8 +87,10 @@ class EngineClient:
         self.draining = False                 # set: new requests are refused, open ones go on
 
     def submit(self, items: list[Item], *, base_id: str, return_logprob: bool, stream: bool,
-               rids: list[str] | None = None) -> Group:
-        """Queue every item or none (APIError: 503 closing, 429 queue full, 400 refused)."""
+               rids: list[str] | None = None, top_logprobs_num: int = 0,
+               logprob_start_len: int = -1) -> Group:
+        """Queue every item or none (APIError: 503 closing, 429 queue full, 400 refused);
+        ``top_logprobs_num`` / ``logprob_start_len`` as for ``Engine.submit``."""
         if self.closing is not None or self.draining:
             raise APIError(503, "the server is shutting down and takes no new requests",
                            code="shutting_down")
@@ -117,7 +119,8 @@ class EngineClient:
             for rid, item in zip(rids, items):
                 self.engine.submit(item.prompt_ids, item.params, sink_for(RequestTimer()),
                                    return_logprob=return_logprob, stream=stream, rid=rid,
-                                   group=group)
+                                   group=group, top_logprobs_num=top_logprobs_num,
+                                   logprob_start_len=logprob_start_len)
                 done.append(rid)
         except (GenerateError, ValueError, EngineClosedError) as e:
             for rid in done:

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from blockspec.penalties import LOGIT_BIAS_MAX
+from blockspec.runtime.logprobs import TOP_LOGPROBS_MAX
 from blockspec.sampling import FLOAT32_MAX, SEED_LIMIT, TOP_K_MAX, not_utf8
 
 MAX_N = 128
@@ -82,7 +84,6 @@ _IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 
 PROMPT_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT}, _IDS,
                            {"type": "array", "minItems": 1, "items": _IDS}]}
 STOP_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT}, {"type": "null"}]}
-ONLY_ZERO = {"anyOf": [{"type": "number", "minimum": 0, "maximum": 0}, {"type": "null"}]}
 
 def integral(value: Any) -> Any:
     """JSON Schema counts 5.0 as an integer, so the server takes it as 5 (any other float
@@ -94,6 +95,9 @@ Int = Annotated[int, BeforeValidator(integral)]     # constraints go before the 
                                                     # else the schema shows "ge" for "minimum"
 Token = Annotated[int, Field(ge=0), BeforeValidator(integral)]
 AtLeastOne = Annotated[int, Field(ge=1), BeforeValidator(integral)]
+AtLeastZero = Annotated[int, Field(ge=0), BeforeValidator(integral)]
+TopN = Annotated[int, Field(ge=0, le=TOP_LOGPROBS_MAX), BeforeValidator(integral)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
 
 
 class JsonSchemaFormat(_Body):
@@ -131,10 +135,16 @@ class _Sampling(_Body):
     n: Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(integral)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # accepted when 0 (penalties are not implemented)
-    presence_penalty: float | None = Field(None, json_schema_extra=ONLY_ZERO)
-    frequency_penalty: float | None = Field(None, json_schema_extra=ONLY_ZERO)
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(None, gt=0, le=2)     # vLLM / sglang
+    # token id (a decimal string below the vocabulary) -> bias added to its logit; the engine
+    # checks both (a 400 naming logit_bias)
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={
+        "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_MAX,
+                                 "maximum": LOGIT_BIAS_MAX}})
+    min_tokens: AtLeastZero | None = None       # vLLM: no EOS or stop token before this many
     # accepted and ignored: they change nothing in the output
     user: str | None = None
     store: bool | None = None
@@ -148,8 +158,9 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: Any = Field(json_schema_extra=PROMPT_SCHEMA)
-    logprobs: Int | None = Field(None, json_schema_extra={"anyOf": [{"const": 0}, {"type": "null"}]})
-    echo: bool = Field(False, json_schema_extra={"const": False})
+    max_tokens: AtLeastZero | None = Field(None, description=">= 1 (0 only with echo)")
+    logprobs: TopN | None = None                # the chosen tokens' and this many alternatives
+    echo: bool = False                          # the prompt (and its logprobs) come first
     suffix: str | None = Field(None, json_schema_extra={"anyOf": [{"const": ""}, {"type": "null"}]})
     best_of: Int | None = None
 
@@ -208,8 +219,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: AtLeastOne | None = None
     logprobs: bool = False
-    top_logprobs: Int | None = Field(None, json_schema_extra={"anyOf": [{"const": 0},
-                                                                         {"type": "null"}]})
+    top_logprobs: TopN | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default auto with tools, none without")
@@ -244,6 +254,8 @@ class GenerateRequest(_Body):
         "anyOf": [_IDS, {"type": "array", "minItems": 1, "items": _IDS}, {"type": "null"}]})
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
+    top_logprobs_num: TopN = 0                  # alternatives per output token
+    logprob_start_len: Annotated[int, Field(ge=-1), BeforeValidator(integral)] = -1
     stream: bool = False
     rid: str | list[str] | None = None
 

@@ -37,6 +37,7 @@ class Item:
 
     prompt_ids: list[int]
     params: SamplingParams
+    echo: str | None = None        # completions with echo: the prompt's text, put first
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Prepared:
     n: int
     return_logprob: bool
     chat: ChatSpec | None = None         # chat requests: how to shape the output
+    top_logprobs: int = 0          # alternatives per token (engine's top_logprobs_num)
+    prompt_logprobs: bool = False  # echo with logprobs: the prompt's too (logprob_start_len 0)
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -89,7 +92,7 @@ def _ids(ids: list[int], vocab: int, param: str) -> None:
 
 
 def _max_tokens(value: int | None, prompt_len: int, context: int, prompt_param: str,
-                default: int | None) -> int:
+                default: int | None, least: int = 1) -> int:
     """max_tokens, or the default that fits; an error when prompt + max_tokens pass the
     context (both numbers named)."""
     wanted = value if value is not None else 1
@@ -98,8 +101,8 @@ def _max_tokens(value: int | None, prompt_len: int, context: int, prompt_param: 
                    code="context_length_exceeded")
     if value is None:
         return min(default, context - prompt_len) if default is not None else context - prompt_len
-    if value < 1:
-        raise _bad(f"max_tokens must be >= 1, got {value}", "max_tokens")
+    if value < least:
+        raise _bad(f"max_tokens must be >= 1 (0 only with echo), got {value}", "max_tokens")
     return value
 
 
@@ -136,11 +139,13 @@ def _grammar(req: _Sampling, engine: Any) -> dict[str, Any]:
 
 def _sampling(req: _Sampling, max_new_tokens: int, vocab: int,
               grammar: dict[str, Any] | None = None) -> SamplingParams:
-    if req.presence_penalty or req.frequency_penalty:
-        raise _bad("presence_penalty and frequency_penalty are not supported (only 0)",
-                   "presence_penalty" if req.presence_penalty else "frequency_penalty")
+    bias = None
     if req.logit_bias:
-        raise _bad("logit_bias is not supported", "logit_bias")
+        bad = [k for k in req.logit_bias if not (k.isascii() and k.isdigit() and len(k) < 20)]
+        if bad:
+            raise _bad(f"logit_bias keys must be token ids (decimal strings), got {bad[0]!r}",
+                       "logit_bias")
+        bias = {int(k): v for k, v in req.logit_bias.items()}
     params = SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=req.temperature if req.temperature is not None else 1.0,
@@ -148,7 +153,10 @@ def _sampling(req: _Sampling, max_new_tokens: int, vocab: int,
         top_k=req.top_k if req.top_k is not None else -1,
         min_p=req.min_p if req.min_p is not None else 0.0,
         stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-        seed=req.seed, **(grammar or {}))
+        seed=req.seed, presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        logit_bias=bias, min_new_tokens=req.min_tokens or 0, **(grammar or {}))
     return validated(params, vocab, {"max_new_tokens": "max_tokens"})
 
 
@@ -159,6 +167,9 @@ def validated(params: SamplingParams, vocab: int, rename: dict[str, str] | None 
     if params.stop_token_ids:
         engine_checked(lambda: check_token_ids(list(params.stop_token_ids), vocab,
                                                "stop_token_ids"), rename)
+    if params.logit_bias:
+        engine_checked(lambda: check_token_ids([int(k) for k in params.logit_bias], vocab,
+                                               "logit_bias"), rename)
     return params
 
 
@@ -191,23 +202,32 @@ def _cap(prompts: int, n: int, limit: int, param: str) -> None:
 def completion_inputs(req: CompletionRequest, engine: Any, served: str,
                       max_prompts: int = DEFAULT_MAX_PROMPTS) -> Prepared:
     _common(req, served)
-    if req.echo:
-        raise _bad("echo is not supported", "echo")
     if req.suffix:
         raise _bad("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise _bad("best_of is not supported (leave it unset or equal to n)", "best_of")
-    if req.logprobs is not None and req.logprobs != 0:
-        raise _bad("logprobs must be 0 (the chosen tokens' logprobs): top alternatives are "
-                   f"not supported, got {req.logprobs}", "logprobs")
     prompts = _prompts(req.prompt, engine, req.n, max_prompts)
     grammar = _grammar(req, engine)
+    texts = _echo_texts(req.prompt, prompts, engine) if req.echo else [None] * len(prompts)
     items = []
-    for ids in prompts:
-        mx = _max_tokens(req.max_tokens, len(ids), engine.context_length, "prompt", default=16)
+    for ids, text in zip(prompts, texts):
+        mx = _max_tokens(req.max_tokens, len(ids), engine.context_length, "prompt", default=16,
+                         least=0 if req.echo else 1)
         params = _sampling(req, mx, engine.config.vocab_size, grammar)
-        items += [Item(ids, p) for p in _children(params, req.n)]
-    return Prepared(items, req.n, return_logprob=req.logprobs is not None)
+        items += [Item(ids, p, text) for p in _children(params, req.n)]
+    return Prepared(items, req.n, return_logprob=req.logprobs is not None,
+                    top_logprobs=req.logprobs or 0,
+                    prompt_logprobs=req.echo and req.logprobs is not None)
+
+
+def _echo_texts(prompt: Any, prompts: list[list[int]], engine: Any) -> list[str]:
+    """The text each prompt is echoed as: its own string, or its token ids decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    tok = engine.tokenizer
+    return [tok.decode(ids) if tok is not None else "" for ids in prompts]
 
 
 def _prompts(prompt: Any, engine: Any, n: int, max_prompts: int) -> list[list[int]]:
@@ -253,12 +273,8 @@ def chat_inputs(req: ChatCompletionRequest, engine: Any, served: str,
     _cap(1, req.n, max_prompts, "messages")
     if not req.messages:
         raise _bad("messages is empty: give at least one message", "messages")
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise _bad("top_logprobs needs logprobs=true", "top_logprobs")
-        if req.top_logprobs != 0:
-            raise _bad("top_logprobs must be 0: top alternatives are not supported, got "
-                       f"{req.top_logprobs}", "top_logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise _bad("top_logprobs needs logprobs=true", "top_logprobs")
     if (req.max_tokens is not None and req.max_completion_tokens is not None
             and req.max_tokens != req.max_completion_tokens):
         raise _bad("max_tokens and max_completion_tokens disagree; give one", "max_tokens")
@@ -280,7 +296,7 @@ def chat_inputs(req: ChatCompletionRequest, engine: Any, served: str,
     spec = ChatSpec(plan, opens_reasoning(prompt), kwargs.get("enable_thinking") is not False,
                     req.separate_reasoning, req.include_reasoning)
     return Prepared([Item(ids, p) for p in _children(params, req.n)], req.n,
-                    return_logprob=req.logprobs, chat=spec)
+                    return_logprob=req.logprobs, chat=spec, top_logprobs=req.top_logprobs or 0)
 
 
 def generate_inputs(req: GenerateRequest, engine: Any, max_prompts: int = DEFAULT_MAX_PROMPTS,

@@ -21,6 +21,8 @@ from blockspec.models.dflash import DFlashDraftModel
 from blockspec.forward_metadata import Mode
 from blockspec.grammar import mask_logits
 from blockspec.runtime.launched import Plan
+from blockspec.penalties import count_tokens, penalize
+from blockspec.runtime.logprobs import chosen_and_top, pack_top, unpack_top
 from blockspec.runtime.metadata import StepBatch, same_rows, uniform_metadata
 from blockspec.runtime.model_runner import Launched, ModelRunner, Pending
 from blockspec.sampling import Stream, logprobs_of, uniforms
@@ -80,18 +82,21 @@ class SpecWorker:
         the grammar."""
         return self.runner.phased.begin(batch, self._plan, "spec", self.width, prev)
 
-    def results(self, step: Launched) -> list[tuple[int, list[int], list[float]]]:
-        """(accepted drafts a, the a + 1 committed tokens, their logprobs) per request."""
-        T = self.width
+    def results(self, step: Launched) -> list[tuple]:
+        """(accepted drafts a, the a + 1 committed tokens, their logprobs, their top
+        alternatives or None) per request."""
+        T, k = self.width, self.runner.top_n
         res = []
         for row in self.runner.collect(step):    # one conversion of the step's output
             a = int(row[0])
-            res.append((a, [int(t) for t in row[1:a + 2]], row[1 + T:T + a + 2]))
+            tops = unpack_top(row[1 + 2 * T:], k, T)[:a + 1] if step.key[5] else None
+            res.append((a, [int(t) for t in row[1:a + 2]], row[1 + T:T + a + 2], tops))
         return res
 
     def step_fn(self, inp: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
         """Draft -> verify -> accept -> commit for every row, device ops only.
-        Returns [B, 1 + 2T] float64: accepted drafts, committed tokens (padded), logprobs."""
+        Returns [B, 1 + 2T] float64: accepted drafts, committed tokens (padded), logprobs
+        (then, with top logprobs, T * TOP_LOGPROBS_MAX values and as many ids)."""
         proposal = self._propose(inp, key)
         return self._finish(inp, key, proposal, self._verify_forward(inp, proposal))
 
@@ -147,15 +152,16 @@ class SpecWorker:
 
     def _finish(self, inp: dict[str, torch.Tensor], key: tuple, proposal: tuple, verified: tuple,
                 bitmask: torch.Tensor | None = None) -> torch.Tensor:
-        """Accept (on the logits ``bitmask`` allows, when given) -> commit -> advance; the
-        logprobs stay the target's own."""
-        greedy_only, filters, want_lp, _ = key
+        """Accept (on the penalised logits, then those ``bitmask`` allows, when given) ->
+        commit -> advance; the logprobs stay the target's own."""
+        greedy_only, filters, want_lp, _, penalized, want_top = key
         drafts, q, _, u_sim = proposal
         out, vmeta = verified
         m, T = self.memory, self.width
         B = drafts.shape[0]
         logits = out.logits.view(B, T, -1)
-        scored = logits if bitmask is None else mask_logits(logits, bitmask)
+        scored = penalize(logits, inp, drafts) if penalized else logits
+        scored = scored if bitmask is None else mask_logits(scored, bitmask)
         if u_sim is not None:
             acc, bonus = self._simulated(u_sim[:, 0], scored)
         else:
@@ -171,7 +177,15 @@ class SpecWorker:
             m.mamba.commit_verify(inp["slot"], acc)
         self.draft.write_context(out.aux_hidden, vmeta.positions, vmeta.out_slots, self.pool)
         toks = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, acc[:, None], bonus[:, None])
+        if penalized:
+            kept = torch.arange(T, device=toks.device)[None] <= acc[:, None]
+            count_tokens(inp["pen_counts"], inp["slot"], toks, kept)
         self.runner.advance_inputs(inp, bonus, acc + 1, verified=True)
+        if want_top:
+            lp, vals, ids = chosen_and_top(logits.reshape(B * T, -1), toks.reshape(-1),
+                                           self.runner.top_n)
+            return torch.cat([acc[:, None].double(), toks.double(), lp.view(B, T).double(),
+                              pack_top(vals.view(B, -1), ids.view(B, -1))], dim=1)
         if want_lp:
             lps = logprobs_of(logits.reshape(B * T, -1), toks.reshape(-1)).view(B, T)
         else:
