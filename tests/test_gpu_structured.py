@@ -73,9 +73,8 @@ def test_greedy_constrained_output_is_identical_across_algorithms(engines):
         assert [o["output_ids"] for o in runs[kind]] == want, kind
     tok = engines["none"].tokenizer
     assert all(_valid(tok.decode(ids)) for ids in want)
-    assert engines["dflash"].runner.graphs is not None
-    phased = [k for k in engines["dflash"].runner.graphs._graphs if len(k) == 4]
-    assert phased and all(k[0] == "spec" for k in phased)     # (kind, phase, key, size)
+    phased = [k for k in engines["none"].runner.graphs._graphs if len(k) == 4]
+    assert phased and all(k[0] == "decode" for k in phased)   # (kind, phase, key, size)
 
 
 @pytest.mark.parametrize("kind", ["none", "dflash", "dspark"])

@@ -20,6 +20,7 @@ class Plan:
     phases: tuple[PhaseFn, ...]
     rows: int
     drafts_of: Callable[[Any], torch.Tensor] | None = None
+    graphs: bool = True              # False: the phases always run eagerly
 
 
 @dataclass

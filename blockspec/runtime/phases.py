@@ -11,7 +11,9 @@ reading the static outputs of the one before):
 * AR: forward -> finish (mask, sample, advance).
 * Speculative: propose -> verify forward -> finish (mask, accept, commit, advance). The drafts
   are copied to the host behind the propose phase, so the host can walk them through the
-  matchers while the verify forward runs.
+  matchers while the verify forward runs. These phases run eagerly (``Plan.graphs`` False):
+  replayed as graphs they made an illegal memory access on an H200 under a sampled batch of
+  64 with admissions, which is not understood yet.
 
 ``begin`` launches every phase but the last; ``complete`` fills the masks and launches the
 last. The scheduler begins step k + 1 before it reads step k back and completes it after the
@@ -74,7 +76,7 @@ class PhasedSteps:
             r.reserve_buffers(batch)
         else:
             bs, key, plan, kind, width = prev.bs, prev.key, prev.plan, prev.kind, prev.width
-        padded = r.graphs.padded_size(bs) if r.graphs is not None else None
+        padded = r.graphs.padded_size(bs) if r.graphs is not None and plan.graphs else None
         if batch is not None:
             if padded is not None:
                 self._ensure(kind, key, padded, plan)
