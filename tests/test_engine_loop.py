@@ -5,35 +5,22 @@ requests it held."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from blockspec import Engine
-from blockspec.tiny_model import write_tiny_model
 from blockspec.engine.stop import IncrementalDetokenizer, held_back
 from blockspec.sampling import SamplingParams
+from tests.polling import wait_until  # noqa: E402
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("loop") / "demo")
-
-
-@pytest.fixture(scope="module")
-def engine(folder):
-    e = Engine(model_path=str(folder), device="cpu")
+def engine(tiny_folder):
+    e = Engine(model_path=str(tiny_folder), device="cpu")
     yield e
     e.shutdown()
-
-
-def _wait(cond, timeout=30.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.002)
 
 
 def test_stream_deltas_concatenate_to_the_blocking_result(engine):
@@ -105,7 +92,7 @@ def _submit(engine, ids, sp, outs, **kw):
 def test_abort_frees_cache_before_the_next_step(engine):
     outs: list = []
     rid = _submit(engine, [5, 6, 7], {**GREEDY, "max_new_tokens": 2000}, outs)
-    _wait(lambda: len(outs) >= 3)
+    wait_until(lambda: len(outs) >= 3)
     assert engine.stats().cache_usage > 0 and engine.stats().running == 1
     before = engine.stats().steps
     assert engine.abort(rid, wait=10)
@@ -126,7 +113,7 @@ def test_closing_a_stream_aborts_it(engine):
         pass
     assert engine.stats().running == 1
     it.close()
-    _wait(lambda: engine.stats().running == 0 and engine.stats().cache_usage == 0.0)
+    wait_until(lambda: engine.stats().running == 0 and engine.stats().cache_usage == 0.0)
 
 
 def test_new_requests_join_while_others_stream(engine):
@@ -144,25 +131,25 @@ def test_new_requests_join_while_others_stream(engine):
             return put
 
         a = e.submit([3, 4, 5], SamplingParams.from_dict({**GREEDY, "max_new_tokens": 300}), sink("a"))
-        _wait(lambda: len(events) >= 2)
+        wait_until(lambda: len(events) >= 2)
         long_prompt = [(7 * i) % 250 + 3 for i in range(64)]          # 16 prefill chunks of 4
         e.submit(long_prompt, SamplingParams.from_dict({**GREEDY, "max_new_tokens": 4}), sink("b"))
-        _wait(lambda: any(n == "b" for n, _ in events))
+        wait_until(lambda: any(n == "b" for n, _ in events))
         with lock:
             start = next(i for i, (n, _) in enumerate(events) if n == "b")
             a_before_b = sum(1 for n, k in events[:start] if n == "a" and k)
         assert a_before_b >= 2 + 15       # a decoded beside every prefill chunk of b
         e.abort(a, wait=10)
         ref = engine.generate(input_ids=long_prompt, sampling_params={**GREEDY, "max_new_tokens": 4})
-        _wait(lambda: e.stats().running == 0)
+        wait_until(lambda: e.stats().running == 0)
         with lock:
             assert [t for n, ids in events if n == "b" for t in ids] == ref["output_ids"]
     finally:
         e.shutdown()
 
 
-def test_requests_wait_for_capacity_and_all_complete(folder, engine):
-    small = Engine(model_path=str(folder), device="cpu", max_total_tokens=96, page_size=8,
+def test_requests_wait_for_capacity_and_all_complete(tiny_folder, engine):
+    small = Engine(model_path=str(tiny_folder), device="cpu", max_total_tokens=96, page_size=8,
                    max_running_requests=8)
     try:
         prompts = [[10 + i, 20 + i, 30 + i] for i in range(8)]
@@ -187,15 +174,15 @@ def test_seeded_request_joining_a_running_batch_matches_alone(engine):
     outs: list = []
     others = [_submit(engine, [i + 3, i + 4], {"max_new_tokens": 300, "temperature": 1.0,
                                                "ignore_eos": True}, outs) for i in range(3)]
-    _wait(lambda: len(outs) >= 6)
+    wait_until(lambda: len(outs) >= 6)
     joined = engine.generate(input_ids=[40, 41, 42], sampling_params=sp)["output_ids"]
     for rid in others:
         engine.abort(rid, wait=10)
     assert joined == alone
 
 
-def test_failed_step_fails_its_requests_and_the_loop_carries_on(folder):
-    e = Engine(model_path=str(folder), device="cpu")
+def test_failed_step_fails_its_requests_and_the_loop_carries_on(tiny_folder):
+    e = Engine(model_path=str(tiny_folder), device="cpu")
     try:
         real = e.scheduler.step
         calls = {"n": 0}
@@ -216,8 +203,8 @@ def test_failed_step_fails_its_requests_and_the_loop_carries_on(folder):
         e.shutdown()
 
 
-def test_shutdown_ends_running_streams(folder):
-    e = Engine(model_path=str(folder), device="cpu")
+def test_shutdown_ends_running_streams(tiny_folder):
+    e = Engine(model_path=str(tiny_folder), device="cpu")
     it = e.generate(input_ids=[4, 5], sampling_params={**GREEDY, "max_new_tokens": 4000}, stream=True)
     next(it)
     threading.Timer(0.05, e.shutdown).start()
@@ -228,8 +215,8 @@ def test_shutdown_ends_running_streams(folder):
         e.generate(input_ids=[1])
 
 
-def test_a_crashed_loop_ends_its_requests_instead_of_hanging(folder):
-    e = Engine(model_path=str(folder), device="cpu")
+def test_a_crashed_loop_ends_its_requests_instead_of_hanging(tiny_folder):
+    e = Engine(model_path=str(tiny_folder), device="cpu")
     try:
         def broken(changed):
             raise KeyError("a bug in the loop itself")

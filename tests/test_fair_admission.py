@@ -4,36 +4,23 @@ token within a few steps; one request may ask for at most --max-prompts-per-requ
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from blockspec import Engine
 from blockspec.sampling import SamplingParams
-from blockspec.tiny_model import write_tiny_model
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from blockspec.server.launch import ServerThread  # noqa: E402
+from tests.polling import wait_until  # noqa: E402
 
 SP = {"max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("fair") / "demo")
-
-
-def _wait(cond, timeout=60.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.002)
-
-
-def test_a_small_request_beside_a_huge_one_starts_within_a_few_steps(folder):
-    e = Engine(model_path=str(folder), device="cpu", max_running_requests=8)
+def test_a_small_request_beside_a_huge_one_starts_within_a_few_steps(tiny_folder):
+    e = Engine(model_path=str(tiny_folder), device="cpu", max_running_requests=8)
     try:
         prompts = [[3 + i % 200, 4, 5] for i in range(200)]
         want_big = e.generate(input_ids=prompts[:3], sampling_params=SP)
@@ -53,14 +40,14 @@ def test_a_small_request_beside_a_huge_one_starts_within_a_few_steps(folder):
         with e._loop.grouped():                        # one client request of 200 prompts
             for i, ids in enumerate(prompts):
                 e.submit(ids, params, sink(f"big{i}"), rid=f"big{i}", group="big")
-        _wait(lambda: e.stats().running == 8 and e.stats().steps >= 5)
+        wait_until(lambda: e.stats().running == 8 and e.stats().steps >= 5)
         submitted_at = e.stats().steps
         e.submit([9, 8, 7], params, sink("small"), rid="small", group="small")
-        _wait(lambda: bool(outs["small"]) and outs["small"][-1][1].finished)
+        wait_until(lambda: bool(outs["small"]) and outs["small"][-1][1].finished)
         first = next(step for step, o in outs["small"] if o.token_ids)
         assert first - submitted_at <= 4, (submitted_at, first)
         assert [t for _, o in outs["small"] for t in o.token_ids] == want_small
-        _wait(lambda: all(outs[f"big{i}"] and outs[f"big{i}"][-1][1].finished
+        wait_until(lambda: all(outs[f"big{i}"] and outs[f"big{i}"][-1][1].finished
                           for i in range(200)), timeout=300)
         for i in range(3):        # the big request lost nothing to the one that cut in
             got = [t for _, o in outs[f"big{i}"] for t in o.token_ids]
@@ -70,7 +57,7 @@ def test_a_small_request_beside_a_huge_one_starts_within_a_few_steps(folder):
         e.shutdown()
 
 
-def test_round_robin_between_groups_in_the_queue(folder):
+def test_round_robin_between_groups_in_the_queue(tiny_folder):
     from blockspec.engine.request import Request
     from blockspec.engine.fair_queue import FairQueue
 
@@ -85,8 +72,8 @@ def test_round_robin_between_groups_in_the_queue(folder):
     assert [q.popleft().rid for _ in range(5)] == ["a0", "b0", "c0", "a1", "a2"]
 
 
-def test_server_caps_prompts_per_request_and_serves_a_small_one_beside_a_big_one(folder):
-    e = Engine(model_path=str(folder), device="cpu", max_running_requests=8)
+def test_server_caps_prompts_per_request_and_serves_a_small_one_beside_a_big_one(tiny_folder):
+    e = Engine(model_path=str(tiny_folder), device="cpu", max_running_requests=8)
     server = ServerThread(e, max_prompts_per_request=64)
     try:
         url = server.url
@@ -112,7 +99,7 @@ def test_server_caps_prompts_per_request_and_serves_a_small_one_beside_a_big_one
             big["status"] = r.status_code
         t = threading.Thread(target=run_big)
         t.start()
-        _wait(lambda: e.stats().running == 8 and e.stats().steps >= 5)
+        wait_until(lambda: e.stats().running == 8 and e.stats().steps >= 5)
         before = e.stats().steps
         with httpx.stream("POST", url + "/v1/completions", timeout=120, json={   # a chunk a token
                 "prompt": [7, 8], "max_tokens": 20, "stream": True, "temperature": 0,

@@ -3,7 +3,6 @@ on from their committed state and give exactly the tokens of a run without the b
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -11,7 +10,7 @@ from blockspec import Engine
 from blockspec.engine.request import Request
 from blockspec.forward_metadata import Mode
 from blockspec.sampling import SamplingParams
-from blockspec.tiny_model import write_tiny_model
+from tests.polling import wait_until  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 8], [44, 3, 9], [70, 71, 72, 73, 74]]
 PARAMS = [{"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True},
@@ -20,25 +19,13 @@ PARAMS = [{"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True},
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("isolation") / "demo")
-
-
-@pytest.fixture(scope="module")
-def clean(folder):
+def clean(tiny_folder):
     """The innocents' outputs in a run without the bad request."""
-    e = Engine(model_path=str(folder), device="cpu")
+    e = Engine(model_path=str(tiny_folder), device="cpu")
     try:
         return [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=PARAMS)]
     finally:
         e.shutdown()
-
-
-def _wait(cond, timeout=60.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.002)
 
 
 class Collect:
@@ -74,14 +61,14 @@ def _run_with_culprit(engine: Engine, culprit: Request, c: Collect) -> list[str]
     past the engine's own checks (as a value no check foresaw would), wait for everyone."""
     rids = [engine.submit(ids, SamplingParams.from_dict(p), c.sink(f"ok{i}"), rid=f"ok{i}")
             for i, (ids, p) in enumerate(zip(PROMPTS, PARAMS))]
-    _wait(lambda: all(len(c.ids(r)) >= 3 for r in rids))
+    wait_until(lambda: all(len(c.ids(r)) >= 3 for r in rids))
     engine._loop.submit(culprit, c.sink(culprit.rid))
-    _wait(lambda: all(c.done(r) for r in rids + [culprit.rid]))
+    wait_until(lambda: all(c.done(r) for r in rids + [culprit.rid]))
     return rids
 
 
-def test_a_value_the_step_row_cannot_hold_fails_only_its_request(folder, clean):
-    e = Engine(model_path=str(folder), device="cpu")
+def test_a_value_the_step_row_cannot_hold_fails_only_its_request(tiny_folder, clean):
+    e = Engine(model_path=str(tiny_folder), device="cpu")
     try:
         params = SamplingParams(max_new_tokens=40, temperature=0.8, ignore_eos=True)
         params.top_k = 2**63                        # past validation: overflows the int64 row
@@ -98,11 +85,11 @@ def test_a_value_the_step_row_cannot_hold_fails_only_its_request(folder, clean):
         e.shutdown()
 
 
-def test_a_step_failing_mid_forward_is_bisected_to_its_request(folder, clean):
+def test_a_step_failing_mid_forward_is_bisected_to_its_request(tiny_folder, clean):
     """The forward raises after the first Mamba layer has advanced the state of every row,
     whenever the culprit's row reaches one position: the innocents in that batch are rolled
     back and computed again, the culprit is found by running halves of the batch alone."""
-    e = Engine(model_path=str(folder), device="cpu")
+    e = Engine(model_path=str(tiny_folder), device="cpu")
     try:
         culprit = Request(rid="bad", prompt_ids=[11, 12, 13],
                           params=SamplingParams(max_new_tokens=40, temperature=0.0,
@@ -140,10 +127,10 @@ def test_a_step_failing_mid_forward_is_bisected_to_its_request(folder, clean):
         e.shutdown()
 
 
-def test_a_failure_in_a_prefill_batch_fails_only_its_request(folder, clean):
+def test_a_failure_in_a_prefill_batch_fails_only_its_request(tiny_folder, clean):
     """Several prompts prefilled in one forward, one of which makes it fail: the others are
     found innocent and complete as in a clean run."""
-    e = Engine(model_path=str(folder), device="cpu")
+    e = Engine(model_path=str(tiny_folder), device="cpu")
     try:
         poison = 258
         real = type(e.model)._mamba
@@ -163,7 +150,7 @@ def test_a_failure_in_a_prefill_batch_fails_only_its_request(folder, clean):
         with e._loop.grouped():                    # all four in the same prefill forward
             for i, (ids, p) in enumerate(zip(prompts, params)):
                 e.submit(ids, SamplingParams.from_dict(p), c.sink(f"r{i}"), rid=f"r{i}")
-        _wait(lambda: all(c.done(f"r{i}") for i in range(4)))
+        wait_until(lambda: all(c.done(f"r{i}") for i in range(4)))
         assert c.reason("r3")["type"] == "error"
         for i, want in enumerate(clean):
             assert c.reason(f"r{i}")["type"] == "length"
@@ -209,9 +196,9 @@ def test_speculative_batch_is_bisected_too(tmp_path):
         c = Collect()
         rids = [e.submit(ids, SamplingParams.from_dict(p), c.sink(f"ok{i}"), rid=f"ok{i}")
                 for i, (ids, p) in enumerate(zip(prompts, params))]
-        _wait(lambda: all(len(c.ids(r)) >= 2 for r in rids))
+        wait_until(lambda: all(len(c.ids(r)) >= 2 for r in rids))
         e._loop.submit(culprit, c.sink("bad"))
-        _wait(lambda: all(c.done(r) for r in rids + ["bad"]))
+        wait_until(lambda: all(c.done(r) for r in rids + ["bad"]))
         assert c.reason("bad")["type"] == "error" and fired["n"] >= 2
         for rid, w in zip(rids, want):
             assert c.reason(rid)["type"] == "length" and c.ids(rid) == w, rid

@@ -15,7 +15,6 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from blockspec import Engine  # noqa: E402
-from blockspec.tiny_model import write_tiny_model  # noqa: E402
 from blockspec.server.launch import ServerThread  # noqa: E402
 
 KEY = "sk-test-key"
@@ -25,20 +24,15 @@ OFFLINE = {"temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("serve") / "demo")
-
-
-@pytest.fixture(scope="module")
-def offline(folder):
-    e = Engine(model_path=str(folder), device="cpu")
+def offline(tiny_folder):
+    e = Engine(model_path=str(tiny_folder), device="cpu")
     yield e
     e.shutdown()
 
 
 @pytest.fixture(scope="module")
-def served(folder):
-    engine = Engine(model_path=str(folder), device="cpu", max_running_requests=32)
+def served(tiny_folder):
+    engine = Engine(model_path=str(tiny_folder), device="cpu", max_running_requests=32)
     server = ServerThread(engine, api_key=KEY, served_model_name=MODEL, max_request_bytes=256 * 1024)
     yield server.url, engine, server
     server.stop()

@@ -3,7 +3,6 @@ values (ranges the step buffers hold, the vocabulary, the model's context, UTF-8
 error naming the field and the range, and an error never costs a client its connection."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -13,7 +12,6 @@ import pytest
 from blockspec import Engine
 from blockspec.engine.engine import GenerateError
 from blockspec.sampling import SamplingParamsError
-from blockspec.tiny_model import write_tiny_model
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -24,13 +22,8 @@ SP = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("validation") / "demo")
-
-
-@pytest.fixture(scope="module")
-def engine(folder):
-    e = Engine(model_path=str(folder), device="cpu")
+def engine(tiny_folder):
+    e = Engine(model_path=str(tiny_folder), device="cpu")
     yield e
     e.shutdown()
 
@@ -76,7 +69,7 @@ def test_values_the_engine_represents_still_run(engine):
     assert wide["output_ids"] == off["output_ids"]          # top_k past the vocabulary: all kept
 
 
-def test_context_length_is_enforced_offline_naming_both_numbers(engine, folder):
+def test_context_length_is_enforced_offline_naming_both_numbers(engine, tiny_folder):
     with pytest.raises(GenerateError) as info:
         engine.generate(input_ids=[1, 2], sampling_params={**SP, "max_new_tokens": 5000})
     msg = str(info.value)
@@ -87,7 +80,7 @@ def test_context_length_is_enforced_offline_naming_both_numbers(engine, folder):
         engine.generate(input_ids=[7] * 5000, sampling_params=SP)
     assert info.value.param == "input_ids" and "5000 tokens" in str(info.value)
     assert "4096" in str(info.value) and "max_total_tokens" not in str(info.value)
-    small = Engine(model_path=str(folder), device="cpu", max_total_tokens=256)
+    small = Engine(model_path=str(tiny_folder), device="cpu", max_total_tokens=256)
     try:            # within the context but not the cache: raising the cache can work
         with pytest.raises(GenerateError) as info:
             small.generate(input_ids=[1, 2], sampling_params={**SP, "max_new_tokens": 1000})
@@ -96,16 +89,16 @@ def test_context_length_is_enforced_offline_naming_both_numbers(engine, folder):
         small.shutdown()
 
 
-def test_missing_tokenizer_path_is_named(folder, tmp_path):
+def test_missing_tokenizer_path_is_named(tiny_folder, tmp_path):
     with pytest.raises(GenerateError, match="tokenizer_path /nonexistent does not exist"):
-        Engine(model_path=str(folder), device="cpu", tokenizer_path="/nonexistent")
+        Engine(model_path=str(tiny_folder), device="cpu", tokenizer_path="/nonexistent")
     with pytest.raises(GenerateError, match="has no tokenizer.json"):
-        Engine(model_path=str(folder), device="cpu", tokenizer_path=str(tmp_path))
+        Engine(model_path=str(tiny_folder), device="cpu", tokenizer_path=str(tmp_path))
 
 
 # ---- the CLI: one line, exit 2 -----------------------------------------------------------------
-def test_cli_errors_stay_one_line(folder):
-    base = [sys.executable, "-m", "blockspec.cli", "generate", "--model-path", str(folder),
+def test_cli_errors_stay_one_line(tiny_folder):
+    base = [sys.executable, "-m", "blockspec.cli", "generate", "--model-path", str(tiny_folder),
             "--device", "cpu", "--max-new-tokens", "2"]
     cases = [
         (base + [b"caf\xff"], "prompt 1 is not UTF-8 text: character 3 is byte 0xff"),
@@ -216,8 +209,8 @@ class _Exploding:
         return self._tok.encode(text)
 
 
-def test_a_500_keeps_the_keep_alive_connection_and_every_error_is_openai_shaped(folder):
-    e = Engine(model_path=str(folder), device="cpu")
+def test_a_500_keeps_the_keep_alive_connection_and_every_error_is_openai_shaped(tiny_folder):
+    e = Engine(model_path=str(tiny_folder), device="cpu")
     server = ServerThread(e, max_request_bytes=4096)
     e.tokenizer = _Exploding(e.tokenizer)
     try:
