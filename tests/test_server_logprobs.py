@@ -66,7 +66,9 @@ def test_echo_with_one_token_puts_the_prompt_first(served):
     # so equal to fp32 rounding
     assert c.logprobs.token_logprobs[n] == pytest.approx(
         plain.choices[0].logprobs.token_logprobs[0], abs=1e-5)
-    assert c.logprobs.top_logprobs[n] == plain.choices[0].logprobs.top_logprobs[0]
+    echoed, sampled = c.logprobs.top_logprobs[n], plain.choices[0].logprobs.top_logprobs[0]
+    assert list(echoed) == list(sampled)
+    assert list(echoed.values()) == pytest.approx(list(sampled.values()), abs=1e-5)
     # streamed, the echo comes first and the chunks add up to the same text
     with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True,
