@@ -13,7 +13,7 @@ from blockspec.bench.bench_args import add_arguments
 from blockspec.bench.engine_bench import run as decode_run
 from blockspec.bench.flops import chunk_lengths, per_token_projection_flops, prefill_flops
 from blockspec.bench.prefill_bench import run
-from blockspec.bench.prefill_breakdown import NESTED, TOP
+from blockspec.bench.prefill_breakdown import NESTED, TOP, format_table
 from blockspec.configs.nemotron_h import NemotronHConfig
 from blockspec.models.nemotron_h import NemotronHForCausalLM
 from blockspec.tiny_model import TINY_CONFIG
@@ -59,9 +59,15 @@ def test_prefill_rows_are_self_consistent(rows):
 
 def test_breakdown_parts_sum_within_the_total(rows):
     parts = [r for r in rows if r["bench"] == "prefill_breakdown"]
+    flops = {r["input_len"]: r["flops_by_part"] for r in rows if r["bench"] == "prefill"}
     assert [r["input_len"] for r in parts] == [32, 80]
     assert [r["forwards"] for r in parts] == [1, 2]          # 80 tokens in chunks of 48
     for r in parts:
+        f = flops[r["input_len"]]
+        assert set(r["achieved_tflops"]) == {"mamba", "attention", "moe", "lm_head"}
+        assert r["achieved_tflops"]["attention"] == pytest.approx(
+            (f["attn_proj"] + f["attn_scores"]) / r["parts_s"]["attention"] / 1e12)
+        assert "TFLOP/s" in format_table(r) and "moe.router" in format_table(r)
         p = r["parts_s"]
         assert set(p) == {*TOP, "other_forward", "engine"}
         assert all(v >= 0 for v in p.values())

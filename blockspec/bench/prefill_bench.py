@@ -126,11 +126,13 @@ def run(args: argparse.Namespace) -> list[dict]:
         results = []
         for L in lens:
             ttft = time_to_first_token(engine, L, args.repeats)
-            row = {**base, **prefill_row(L, ttft, prefill_flops(engine.config, L, chunk), tflops)}
+            flops = prefill_flops(engine.config, L, chunk)
+            row = {**base, **prefill_row(L, ttft, flops, tflops)}
             results.append(row)
             print(json.dumps(_rounded(row)), flush=True)
             if args.breakdown:
-                parts = {**base, **breakdown(engine, L, _prompt(engine.config.vocab_size, L, seed=L))}
+                prompt = _prompt(engine.config.vocab_size, L, seed=L)
+                parts = {**base, **breakdown(engine, L, prompt, flops)}
                 print(format_table(parts), file=sys.stderr, flush=True)
                 results.append(parts)
                 print(json.dumps(_rounded(parts)), flush=True)

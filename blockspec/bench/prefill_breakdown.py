@@ -24,12 +24,17 @@ from blockspec.bench.engine_bench import _sync
 # disjoint parts of the forward, in table order; "moe.*" are inside "moe"
 TOP = ("mamba", "attention", "moe", "mlp", "norm", "embed", "lm_head")
 NESTED = ("moe.router", "moe.shared")
+# the parts of ``bench.flops.prefill_flops`` each timed part runs
+FLOPS_OF = {"mamba": ("mamba_proj", "mamba_scan"), "attention": ("attn_proj", "attn_scores"),
+            "moe": ("moe_router", "moe_routed", "moe_shared"), "mlp": ("mlp",),
+            "lm_head": ("lm_head",)}
 
 
 class Spans:
     """Summed durations by label: CUDA events read once at the end, or wall time on CPU."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
         self.open: dict[object, object] = {}
         self.pairs: list[tuple[str, object, object]] = []
@@ -37,7 +42,7 @@ class Spans:
     def start(self, key: object) -> None:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device))
             self.open[key] = ev
         else:
             self.open[key] = time.perf_counter()
@@ -45,7 +50,7 @@ class Spans:
     def stop(self, key: object, label: str) -> None:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device))
         else:
             ev = time.perf_counter()
         self.pairs.append((label, self.open.pop(key), ev))
@@ -53,7 +58,7 @@ class Spans:
     def totals(self) -> dict[str, float]:
         """Seconds by label (synchronizes once on CUDA)."""
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         out: dict[str, float] = {}
         for label, a, b in self.pairs:
             s = a.elapsed_time(b) / 1e3 if self.cuda else b - a
@@ -113,9 +118,10 @@ def instrument(model: torch.nn.Module, spans: Spans, stack: ExitStack) -> None:
                 stack.enter_context(_hooked(block.mixer.shared_experts, spans, "moe.shared"))
 
 
-def breakdown(engine, input_len: int, prompt: list[int]) -> dict:
+def breakdown(engine, input_len: int, prompt: list[int], flops: dict[str, int] | None = None) -> dict:
     """One batch-1 prefill of ``prompt`` (after an unhooked warm-up of the same length), split
-    by layer kind. Returns seconds by part, their share of the TTFT, and the TTFT."""
+    by layer kind. Returns seconds by part, their share of the TTFT, the TTFT, and given the
+    prefill's ``flops`` by part (``bench.flops.prefill_flops``), each part's achieved TFLOP/s."""
     if len(prompt) != input_len:
         raise ValueError(f"prompt has {len(prompt)} tokens, expected input_len={input_len}")
     sp = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
@@ -135,11 +141,14 @@ def breakdown(engine, input_len: int, prompt: list[int]) -> dict:
     parts["other_forward"] = max(forward - sum(parts.values()), 0.0)
     parts["engine"] = max(ttft - forward, 0.0)
     nested = {k: got[k] for k in NESTED if k in got}
+    achieved = {} if flops is None else {
+        k: sum(flops[f] for f in fs) / parts[k] / 1e12 for k, fs in FLOPS_OF.items() if parts[k] > 0}
     return {
         "bench": "prefill_breakdown", "input_len": input_len, "ttft_s": ttft,
         "forward_s": forward, "forwards": sum(1 for p in spans.pairs if p[0] == "forward"),
         "parts_s": parts, "moe_parts_s": nested,
         "pct_of_ttft": {k: 100 * v / ttft for k, v in parts.items()},
+        "achieved_tflops": achieved,
     }
 
 
@@ -148,9 +157,11 @@ def format_table(row: dict) -> str:
     ttft = row["ttft_s"]
     title = (f"prefill breakdown: input_len={row['input_len']} ttft={ttft * 1e3:.2f} ms "
              f"({row['forwards']} forward(s))")
-    lines = [title, f"{'part':<16}{'ms':>12}{'% ttft':>9}"]
+    lines = [title, f"{'part':<16}{'ms':>12}{'% ttft':>9}{'TFLOP/s':>10}"]
     for k, v in row["parts_s"].items():
-        lines.append(f"{k:<16}{v * 1e3:>12.3f}{100 * v / ttft:>9.1f}")
+        rate = row["achieved_tflops"].get(k)
+        rate_s = "" if rate is None else f"{rate:>10.4g}"
+        lines.append(f"{k:<16}{v * 1e3:>12.3f}{100 * v / ttft:>9.1f}{rate_s}")
         if k == "moe":
             for sub, s in row["moe_parts_s"].items():
                 lines.append(f"  {sub:<14}{s * 1e3:>12.3f}{100 * s / ttft:>9.1f}")
