@@ -18,6 +18,7 @@ so 100 % of the floor is out of reach).
 
 ``--json-schema`` constrains every sequence to a schema; a sequence may then end before
 ``--output-len`` (when its JSON closes), so steps are counted from the tokens produced.
+``--prefill`` runs ``bench/prefill_bench.py`` instead (TTFT against the compute floor).
 """
 from __future__ import annotations
 
