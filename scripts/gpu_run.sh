@@ -10,6 +10,8 @@
 #   fullspecq  fullspec in the Lightning quantization (W4A16 experts / shared / lm_head, FP8 Mamba)
 #   fullprof   full preset step profiles by phase and layer kind (AR bf16 / quantized, DFlash)
 #   longctx    full preset, batch 1 decode after a 1k and a 16k prompt
+#   prefill    full preset TTFT vs the compute floor, 1k-128k prompts, quantized and bf16;
+#              the quantized 16k prefill's breakdown by layer kind (table: prefill_breakdown.txt)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -81,6 +83,12 @@ longctx)
   L="$B --preset nemotron-3.5-lightning --batch-size 1 --output-len 128 --repeats 2"
   timeout 120 $L --input-len 1024 2>>"$OUT/stderr.log"
   timeout 150 $L --input-len 16384 2>>"$OUT/stderr.log"
+  ;;
+prefill)
+  F="$B --preset nemotron-3.5-lightning --prefill --repeats 2"
+  timeout 280 $F --quantized --input-len 1024,4096,16384,65536,131072 2>>"$OUT/stderr.log"
+  timeout 280 $F --input-len 1024,4096,16384,65536,131072 2>>"$OUT/stderr.log"
+  timeout 150 $F --quantized --input-len 16384 --repeats 1 --breakdown 2>>"$OUT/prefill_breakdown.txt"
   ;;
 esac
 done

@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "vocabulary of its size; default: unconstrained")
     p.add_argument("--batch-size", type=_int_list, default=[1], metavar="N[,N...]",
                    help="sequences decoded together; a list runs each size on the same model")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--input-len", type=_int_list, default=[128], metavar="N[,N...]",
+                   help="prompt tokens per sequence; a list only with --prefill (one row each)")
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per sequence")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
@@ -66,4 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-transformers", action="store_true",
                    help="also time transformers' NemotronHForCausalLM on the same shapes and prompts "
                         "(bf16 only) and report the ratio")
+    p.add_argument("--chunked-prefill-size", type=int,
+                   help="most prompt tokens per prefill forward; default: the engine's (2048)")
+    p.add_argument("--prefill", action="store_true",
+                   help="measure prefill instead of decode: TTFT, prefill tok/s and the compute "
+                        "floor (config FLOPs over a bf16 matmul rate measured in the same run) "
+                        "for each --input-len, at batch 1")
+    p.add_argument("--breakdown", action="store_true",
+                   help="with --prefill: also split one prefill of each length by layer kind "
+                        "(Mamba, attention, MoE, norms, lm_head, engine), as a table and JSON")
     p.add_argument("--out", help="append the JSON lines to this file; default: print only")

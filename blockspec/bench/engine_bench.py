@@ -18,6 +18,7 @@ so 100 % of the floor is out of reach).
 
 ``--json-schema`` constrains every sequence to a schema; a sequence may then end before
 ``--output-len`` (when its JSON closes), so steps are counted from the tokens produced.
+``--prefill`` runs ``bench/prefill_bench.py`` instead (TTFT against the compute floor).
 """
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ def build_engine(args: argparse.Namespace, max_bs: int):
     common = dict(max_running_requests=max_bs, max_total_tokens=cache,
                   cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph,
                   speculative_draft_lm_head=args.speculative_draft_lm_head)
+    if getattr(args, "chunked_prefill_size", None) is not None:
+        common["chunked_prefill_size"] = args.chunked_prefill_size
     if args.model_path is not None:
         kw = {k: getattr(args, k) for k in ("device", "dtype", "speculative_algorithm",
                                              "speculative_draft_model_path",
@@ -200,7 +203,19 @@ def transformers_decode(model_path: str | None, preset_cfg: dict | None, device:
             "decode_tok_per_s": round(batch / step_s, 2)}
 
 
+def single_input_len(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with ``input_len`` one int: the decode bench takes one prompt length."""
+    lens = args.input_len if isinstance(args.input_len, list) else [args.input_len]
+    if len(lens) != 1:
+        raise ValueError(f"--input-len takes one length for the decode benchmark (a list only "
+                         f"with --prefill), got {','.join(map(str, lens))}")
+    return argparse.Namespace(**{**vars(args), "input_len": lens[0]})
+
+
 def run(args: argparse.Namespace) -> list[dict]:
+    args = single_input_len(args)
+    if getattr(args, "breakdown", False):
+        raise ValueError("--breakdown splits a prefill: use it with --prefill")
     batches = args.batch_size if isinstance(args.batch_size, list) else [args.batch_size]
     if args.simulate_accept_length is not None and args.json_schema:
         raise ValueError("--simulate-accept-length cannot be combined with --json-schema: the "
