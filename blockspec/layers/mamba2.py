@@ -10,7 +10,9 @@
 
 The torch code here is the reference (fp32 state and scan math). On CUDA, decode and verify
 steps run as one Triton kernel per layer (``kernels/mamba_step.py``) that reads and writes the
-state pool in place; ``forward_steps`` picks the path.
+state pool in place; ``forward_steps`` picks the path. A prefill's conv and chunked scan run as
+Triton kernels on CUDA too (``kernels/causal_conv.py``, ``kernels/ssd_scan.py``); ``extend``
+picks the path.
 """
 from __future__ import annotations
 
