@@ -96,3 +96,29 @@ def test_fp8_quantization_fused_into_the_norms_changes_no_bit(monkeypatch):
     assert calls                                      # the fused path ran
     monkeypatch.setattr(FP8Linear, "fused_input_scale", lambda self, x: None)
     assert run() == fused
+
+
+def test_triton_prefill_kernels_give_the_torch_tokens(demo, monkeypatch):
+    """Greedy tokens of prompts spanning several SSD chunks (the tiny model's chunk is 16) and
+    several prefill chunks (each from the previous one's committed state) are the same with the
+    Triton kernels (the prefill scan counted) as with the torch references everywhere
+    (BLOCKSPEC_DISABLE_TRITON=1)."""
+    from blockspec.layers import mamba2
+
+    scans = []
+    kernel = mamba2.ssd_scan
+
+    def counted(*args, **kwargs):
+        scans.append(args[0].shape[1])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(mamba2, "ssd_scan", counted)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (70, 41)]
+    fast = Engine(model_path=str(demo), device="cuda", dtype="float32", chunked_prefill_size=48)
+    got = fast.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert scans and max(scans) > 16
+    monkeypatch.setenv("BLOCKSPEC_DISABLE_TRITON", "1")
+    ref = Engine(model_path=str(demo), device="cuda", dtype="float32", chunked_prefill_size=48)
+    want = ref.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]

@@ -10,32 +10,41 @@
 
 The torch code here is the reference (fp32 state and scan math). On CUDA, decode and verify
 steps run as one Triton kernel per layer (``kernels/mamba_step.py``) that reads and writes the
-state pool in place; ``forward_steps`` picks the path.
+state pool in place; ``forward_steps`` picks the path. A prefill's conv and chunked scan run as
+Triton kernels on CUDA too (``kernels/causal_conv.py``, ``kernels/ssd_scan.py``); ``extend``
+picks the path.
 """
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
+from blockspec.configs.nemotron_h import NemotronHConfig
+from blockspec.kernels.causal_conv import causal_conv1d
 from blockspec.kernels.mamba_step import mamba_steps
+from blockspec.kernels.ssd_scan import ssd_scan
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
-from blockspec.quant.linear import fused_input_scale
 from blockspec.layers.norm import GatedGroupRMSNorm
-from blockspec.configs.nemotron_h import NemotronHConfig
+from blockspec.quant.linear import fused_input_scale
 
 
 def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                     C: torch.Tensor, state: torch.Tensor, chunk: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked SSD scan for sequences of equal length.
+                     C: torch.Tensor, state: torch.Tensor, chunk: int, *,
+                     return_chunk_states: bool = False):
+    """Chunked SSD scan for sequences of equal length (the reference of ``kernels/ssd_scan``).
 
-    x [Bt,T,H,P], dt [Bt,T,H] (after softplus), A [H], B/C [Bt,T,H,N] (already per head),
-    state [Bt,H,P,N]. Returns y [Bt,T,H,P] (without the D skip) and the final state; fp32.
+    x [Bt,T,H,P], dt [Bt,T,H] (after softplus), A [H], B/C [Bt,T,G,N] per group (G = H: per
+    head; otherwise H/G consecutive heads share a group), state [Bt,H,P,N]. Returns y
+    [Bt,T,H,P] (without the D skip) and the final state; fp32. With ``return_chunk_states``
+    also the state after every chunk [Bt, ceil(T/chunk), H, P, N] (the last is the final one).
     """
-    T = x.shape[1]
-    ys = []
+    T, H = x.shape[1], x.shape[2]
+    if B.shape[2] != H:
+        B = B.repeat_interleave(H // B.shape[2], dim=2)
+        C = C.repeat_interleave(H // C.shape[2], dim=2)
+    ys, bounds = [], []
     S = state
     dA = dt * A
     for c0 in range(0, T, chunk):
@@ -55,6 +64,9 @@ def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
         S = (torch.exp(acum[:, -1])[:, :, None, None] * S
              + torch.einsum("bshn,bshp->bhpn", B[:, sl] * decay[..., None], xdt))
         ys.append(y)
+        bounds.append(S)
+    if return_chunk_states:
+        return torch.cat(ys, dim=1), S, torch.stack(bounds, dim=1)
     return torch.cat(ys, dim=1), S
 
 
@@ -142,9 +154,10 @@ class Mamba2Mixer(nn.Module):
             out = out + self.conv1d.bias[:, None]
         return F.silu(out).transpose(1, 2)                                       # [Bt,T,C]
 
-    def _ssm_inputs(self, xbc: torch.Tensor, dt_raw: torch.Tensor):
-        """x [..,H,P], B/C per group [..,G,N], dt [..,H] after softplus (and clamp)."""
-        x, Bm, Cm = xbc.float().split([self.d_inner, self.G * self.N, self.G * self.N], dim=-1)
+    def _ssm_inputs(self, xbc: torch.Tensor, dt_raw: torch.Tensor, upcast: bool = True):
+        """x [..,H,P], B/C per group [..,G,N] (fp32, or views of xbc in its dtype unless
+        ``upcast``), dt [..,H] after softplus (and clamp)."""
+        x, Bm, Cm = (xbc.float() if upcast else xbc).split([self.d_inner, self.G * self.N, self.G * self.N], dim=-1)
         lead = x.shape[:-1]
         x = x.reshape(*lead, self.H, self.P)
         Bm = Bm.reshape(*lead, self.G, self.N)
@@ -164,16 +177,22 @@ class Mamba2Mixer(nn.Module):
     def extend(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Prefill chunks of equal length u [Bt,T,d] from the committed states
-        (conv [Bt,C,K-1], ssm [Bt,H,P,N]). Returns (out, new conv window, new ssm state)."""
+        (conv [Bt,C,K-1], ssm [Bt,H,P,N]). Returns (out, new conv window, new ssm state).
+        On CUDA the conv and the chunked scan are Triton kernels (``kernels/causal_conv.py``,
+        ``kernels/ssd_scan.py``) reading the conv output in its own dtype; elsewhere
+        ``_conv`` and ``ssd_chunked_scan``, their references."""
         z, xbc, dt_raw = self._split(u)
-        conv_out = self._conv(xbc, conv_state)
-        x, Bm, Cm, dt = self._ssm_inputs(conv_out, dt_raw)
-        rep = self.H // self.G          # the chunked scan works per head
-        y, final = ssd_chunked_scan(x, dt, -torch.exp(self.A_log.float()),
-                                    Bm.repeat_interleave(rep, dim=-2), Cm.repeat_interleave(rep, dim=-2),
-                                    ssm_state.float(), self.chunk)
-        keep = self.K - 1
-        window = torch.cat([conv_state, xbc.transpose(1, 2).to(conv_state.dtype)], dim=2)[..., -keep:]
+        fast = use_triton(u)
+        if fast:
+            conv_out, window = causal_conv1d(xbc, conv_state, self.conv1d.weight, self.conv1d.bias)
+        else:
+            conv_out = self._conv(xbc, conv_state)
+            window = torch.cat([conv_state, xbc.transpose(1, 2).to(conv_state.dtype)],
+                               dim=2)[..., -(self.K - 1):]
+        x, Bm, Cm, dt = self._ssm_inputs(conv_out, dt_raw, upcast=not fast)
+        scan = ssd_scan if fast else ssd_chunked_scan
+        y, final = scan(x, dt, -torch.exp(self.A_log.float()), Bm, Cm,
+                        ssm_state if fast else ssm_state.float(), self.chunk)
         return self._out(y, x, z), window, final
 
     def forward_steps(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
