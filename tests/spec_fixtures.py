@@ -148,15 +148,20 @@ def exact_two_token_joint(engine, prompt: list[int], params: dict,
 def two_token_chi_square_pvalue(engine, outs: list[dict], prompt: list[int], params: dict,
                                 allowed: tuple[list[int], list[int]] | None = None) -> float:
     """Chi-square p-value of the sampled (t1, t2) pairs against the exact target joint (masked
-    to ``allowed`` when given); cells expected below 5 are pooled. Fails outright on a pair the
-    target gives probability 0."""
+    to ``allowed`` when given); see ``pairs_chi_square_pvalue``."""
+    return pairs_chi_square_pvalue(outs, exact_two_token_joint(engine, prompt, params, allowed))
+
+
+def pairs_chi_square_pvalue(outs: list[dict], joint: dict[tuple[int, int], float]) -> float:
+    """Chi-square p-value of the sampled (t1, t2) pairs of ``outs`` against ``joint``; cells
+    expected below 5 are pooled. Fails outright on a pair the law gives probability 0, or when
+    too few cells are well populated for the test to mean anything."""
     from scipy.stats import chisquare
 
     n = len(outs)
     counts: dict[tuple[int, int], int] = {}
     for o in outs:
         counts[tuple(o["output_ids"])] = counts.get(tuple(o["output_ids"]), 0) + 1
-    joint = exact_two_token_joint(engine, prompt, params, allowed)
     assert set(counts) <= set(joint), "sampled a pair the target gives probability 0"
     keys = sorted(joint, key=lambda k: -joint[k])
     big = [k for k in keys if joint[k] * n >= 5]

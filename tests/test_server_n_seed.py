@@ -7,19 +7,11 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from blockspec import Engine  # noqa: E402
-from blockspec.server.launch import ServerThread  # noqa: E402
-from blockspec.tiny_model import write_tiny_model  # noqa: E402
-
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    folder = write_tiny_model(tmp_path_factory.mktemp("n_seed") / "tiny")
-    engine = Engine(model_path=str(folder), device="cpu")
-    server = ServerThread(engine, served_model_name="tiny")
-    yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-    server.stop()
-    engine.shutdown()
+def client(tiny_server):
+    return openai.OpenAI(base_url=tiny_server[0].url + "/v1", api_key="none", max_retries=0,
+                         timeout=120)
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])

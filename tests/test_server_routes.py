@@ -9,19 +9,11 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from blockspec import Engine  # noqa: E402
-from blockspec.server.launch import ServerThread  # noqa: E402
-from blockspec.tiny_model import write_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = write_tiny_model(tmp_path_factory.mktemp("routes") / "tiny")
-    engine = Engine(model_path=str(folder), device="cpu")
-    srv = ServerThread(engine, served_model_name="tiny")
-    yield srv, engine
-    srv.stop()
-    engine.shutdown()
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
