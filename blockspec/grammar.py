@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from blockspec.tokenizer import vocab_kind
+
 __all__ = ["GrammarError", "GrammarCompiler", "Matcher", "KINDS", "bitmask_words", "mask_logits"]
 
 # the SamplingParams field each kind comes from; json_object has no text
@@ -58,27 +60,6 @@ def _clean(err: Exception) -> str:
     """xgrammar's message without the C++ source location it starts with."""
     text = str(err).strip()
     return _CPP_PREFIX.sub("", text).strip() or type(err).__name__
-
-
-def _vocab_kind(spec: dict) -> tuple[str, bool]:
-    """(xgrammar vocab type name, add_prefix_space) read off a tokenizer.json: byte-level BPE
-    (GPT-2 style byte-to-unicode pieces), byte-fallback (SentencePiece ``<0xNN>`` pieces, ``▁``
-    for spaces) or raw pieces."""
-    dec = spec.get("decoder") or {}
-    parts = dec.get("decoders", []) if dec.get("type") == "Sequence" else [dec]
-    types = {d.get("type") for d in parts if isinstance(d, dict)}
-    if "ByteLevel" in types:
-        return "BYTE_LEVEL", False
-    if "ByteFallback" not in types:
-        return "RAW", False
-    norm = spec.get("normalizer") or {}
-    norms = norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm]
-    prepend = any(n.get("type") == "Prepend" and n.get("prepend") == "\u2581" for n in norms)
-    pre = spec.get("pre_tokenizer") or {}
-    pres = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    meta = any(p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") in ("always", "first")
-               for p in pres)
-    return "BYTE_FALLBACK", prepend or meta
 
 
 class GrammarCompiler:
@@ -117,7 +98,7 @@ class GrammarCompiler:
                 for i, added in self._backend.get_added_tokens_decoder().items():
                     if added.special and i < self.vocab_size:
                         vocab[i] = ""
-                kind, prefix = _vocab_kind(json.loads(self._backend.to_str()))
+                kind, prefix = vocab_kind(json.loads(self._backend.to_str()))
                 info = xgr.TokenizerInfo(vocab, xgr.VocabType[kind], vocab_size=self.vocab_size,
                                          stop_token_ids=self.stop_token_ids or None,
                                          add_prefix_space=prefix)

@@ -165,3 +165,17 @@ def test_lm_eval_loglikelihood_reads_what_it_expects(served):
     assert results[0][1] and not results[1][1]
     want = sum(float(lsm[len(ctx) + j - 1, t]) for j, t in enumerate(other))
     assert abs(results[1][0] - want) < 1e-3
+
+
+def test_chat_logprob_bytes_rebuild_the_message(served):
+    """Every content entry has its token's bytes (a token that is part of a character too),
+    and they concatenate to the message's UTF-8."""
+    client, _, _ = served
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "é"}],
+                                       max_tokens=16, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    entries = r.choices[0].logprobs.content
+    assert all(e.bytes is not None for e in entries)
+    assert all(a.bytes is not None for e in entries for a in e.top_logprobs)
+    assert bytes(b for e in entries for b in e.bytes).decode("utf-8", "replace") == \
+        r.choices[0].message.content

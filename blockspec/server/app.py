@@ -153,6 +153,9 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     def token_str(t: int) -> str:
         return tokenizer.decode([t]) if tokenizer is not None else f"token_id:{t}"
 
+    def token_bytes(t: int) -> list[int] | None:
+        return tokenizer.token_bytes(t) if tokenizer is not None else None
+
     def spec_totals(choices: list[Choice]) -> tuple[int, int] | None:
         if not speculative:
             return None
@@ -305,7 +308,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
                 if not (delta or out.finished or (prep.return_logprob and out.logprobs)):
                     return []
                 choice = {"index": i, "delta": delta,
-                          "logprobs": chat_logprobs(token_str, out.logprobs, out.top_logprobs)
+                          "logprobs": chat_logprobs(token_str, out.logprobs, out.top_logprobs,
+                                                    token_bytes)
                           if prep.return_logprob else None,
                           "finish_reason": shapers[i].finish_reason(out.finish_reason)}
                 return [{**base, "choices": [choice], **extra(i, c)}]
@@ -315,8 +319,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
         choices = await collect(group, request)
         return JSONResponse({**base, "choices": [
             {"index": i, "message": shapers[i].message(c.text),
-             "logprobs": chat_logprobs(token_str, c.logprobs, c.tops) if prep.return_logprob
-             else None,
+             "logprobs": (chat_logprobs(token_str, c.logprobs, c.tops, token_bytes)
+                          if prep.return_logprob else None),
              "finish_reason": shapers[i].finish_reason(c.reason)}
             for i, c in enumerate(choices)], "usage": usage_of(choices, prep.n)})
 

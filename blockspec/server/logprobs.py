@@ -12,13 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], list[int] | None]
 Pairs = Sequence[tuple[float | None, int]]
 Tops = Sequence[Sequence[tuple[float, int]]]
-
-
-def _bytes(s: str) -> list[int] | None:
-    """UTF-8 bytes of a token's text; None where the token is part of a character."""
-    return None if "\ufffd" in s else list(s.encode())
 
 
 def _by_text(token_text: TokenText, alts: Sequence[tuple[float, int]]) -> dict[str, float]:
@@ -53,12 +49,14 @@ def completion_logprobs(token_text: TokenText, lps: Pairs, tops: Tops | None, st
             "text_offset": offsets}
 
 
-def chat_logprobs(token_text: TokenText, lps: Pairs, tops: Tops | None) -> dict:
+def chat_logprobs(token_text: TokenText, lps: Pairs, tops: Tops | None,
+                  token_bytes: TokenBytes) -> dict:
+    """``token_bytes``: a token's bytes, also where it holds part of a UTF-8 character (its
+    text then shows U+FFFD), so a client can rebuild the exact text from the entries."""
     content = []
     for j, (lp, t) in enumerate(lps):
-        s = token_text(t)
         alts = tops[j] if tops is not None and j < len(tops) else []
-        content.append({"token": s, "logprob": lp, "bytes": _bytes(s), "top_logprobs": [
-            {"token": token_text(a), "logprob": v, "bytes": _bytes(token_text(a))}
-            for v, a in alts]})
+        content.append({"token": token_text(t), "logprob": lp, "bytes": token_bytes(t),
+                        "top_logprobs": [{"token": token_text(a), "logprob": v,
+                                          "bytes": token_bytes(a)} for v, a in alts]})
     return {"content": content}
