@@ -49,6 +49,7 @@ def _byte_level_map() -> dict[str, int]:
     return out
 
 
+_BYTE_OF = _byte_level_map()
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -63,7 +64,6 @@ class Tokenizer:
         self.bos_token_id = self._token_id(self.config.get("bos_token"))
         self._kind: str | None = None          # vocab_kind, read on the first token_bytes
         self._specials = {i for i, a in self._tok.get_added_tokens_decoder().items() if a.special}
-        self._byte_of = _byte_level_map()
 
     @staticmethod
     def exists(folder: str | Path) -> bool:
@@ -98,8 +98,8 @@ class Tokenizer:
             return []
         if self._kind is None:
             self._kind = vocab_kind(json.loads(self._tok.to_str()))[0]
-        if self._kind == "BYTE_LEVEL" and all(c in self._byte_of for c in piece):
-            return [self._byte_of[c] for c in piece]
+        if self._kind == "BYTE_LEVEL" and all(c in _BYTE_OF for c in piece):
+            return [_BYTE_OF[c] for c in piece]
         if self._kind == "BYTE_FALLBACK":
             m = _BYTE_PIECE.fullmatch(piece)
             return [int(m.group(1), 16)] if m else list(piece.replace("\u2581", " ").encode())

@@ -206,15 +206,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_step(self, batch: StepBatch | None, fn: StepFn, kind: str, width: int,
-                    prev: Launched | None = None, eager: bool = False) -> Launched:
+                    prev: Launched | None = None) -> Launched:
         """Launch one step without waiting for it. With ``batch``: fill the static inputs from
         it (one upload; nothing may be in flight, so ``collect`` every earlier step first).
         With None: the step after ``prev`` for the same requests, from the inputs ``prev``
         advanced on the device. Replays the captured graph of (kind, sampling mode, padded
         size), else runs ``fn`` eagerly; the outputs are copied to a host buffer behind it.
-        ``width`` = positions the step writes past the committed length; ``eager`` runs ``fn``
-        without a graph (a step that reads the host in its middle). A constrained batch's
-        masks come from its matchers' host state: it runs in phases (``runtime/phases.py``)."""
+        ``width`` = positions the step writes past the committed length. A constrained
+        batch's masks come from its matchers' host state: it runs in phases
+        (``runtime/phases.py``)."""
         if batch is not None:
             bs, key = batch.size, batch.sampling_key()
             if batch.constrained:
@@ -222,7 +222,7 @@ class ModelRunner:
             self.reserve_buffers(batch)
         else:
             bs, key, fn, kind, width = prev.bs, prev.key, prev.fn, prev.kind, prev.width
-        padded = self.graphs.padded_size(bs) if self.graphs is not None and not eager else None
+        padded = self.graphs.padded_size(bs) if self.graphs is not None else None
         if padded is None:
             if batch is not None:
                 self.host_max_seq_len = max(batch.prefix_lens) + width

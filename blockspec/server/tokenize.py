@@ -10,16 +10,10 @@ from blockspec.engine.engine import check_token_ids
 from blockspec.server import tools
 from blockspec.server.errors import APIError
 from blockspec.server.protocol import DetokenizeRequest, TokenizeRequest
-from blockspec.server.validate import check_model, engine_checked
+from blockspec.server.validate import check_model, engine_checked, tokenizer_of
 from blockspec.tokenizer import TokenizerError
 
 ROUTES = frozenset({"/tokenize", "/detokenize"})
-
-
-def _tokenizer(engine: Any, param: str) -> Any:
-    if engine.tokenizer is None:
-        raise APIError(400, "this model has no tokenizer (no tokenizer.json)", param=param)
-    return engine.tokenizer
 
 
 def add_tokenize_routes(app: FastAPI, engine: Any, served: str, responses: dict) -> None:
@@ -29,11 +23,11 @@ def add_tokenize_routes(app: FastAPI, engine: Any, served: str, responses: dict)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.prompt is not None:
-            tok = _tokenizer(engine, "prompt")
+            tok = tokenizer_of(engine, "prompt")
             text = body.prompt
             specials = True if body.add_special_tokens is None else body.add_special_tokens
         else:
-            tok = _tokenizer(engine, "messages")
+            tok = tokenizer_of(engine, "messages")
             if not body.messages:
                 raise APIError(400, "messages is empty: give at least one message",
                                param="messages")
@@ -54,7 +48,7 @@ def add_tokenize_routes(app: FastAPI, engine: Any, served: str, responses: dict)
     @app.post("/detokenize", responses=responses)
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(body.model, served)
-        tok = _tokenizer(engine, "tokens")
+        tok = tokenizer_of(engine, "tokens")
         engine_checked(lambda: check_token_ids(body.tokens, engine.config.vocab_size, "tokens",
                                                allow_empty=True))
         return {"prompt": tok.decode(body.tokens)}

@@ -253,14 +253,15 @@ def _prompts(prompt: Any, engine: Any, n: int, max_prompts: int) -> list[list[in
         raise _bad("prompt must be a string, a list of strings, a list of token ids or a list "
                    "of lists of token ids", "prompt")
     _cap(len(texts), n, max_prompts, "prompt")
-    tok = _tokenizer(engine, "prompt")
+    tok = tokenizer_of(engine, "prompt")
     ids = [tok.encode(t) for t in texts]       # texts are UTF-8: protocol.py checked them
     if not all(ids):
         raise _bad("prompt is empty: give at least one token", "prompt")
     return ids
 
 
-def _tokenizer(engine: Any, param: str) -> Any:
+def tokenizer_of(engine: Any, param: str) -> Any:
+    """The engine's tokenizer, or a 400 naming ``param`` when the model has none."""
     if engine.tokenizer is None:
         raise _bad("this model has no tokenizer (no tokenizer.json): send token ids to "
                    "/v1/completions or /generate", param)
@@ -278,7 +279,7 @@ def chat_inputs(req: ChatCompletionRequest, engine: Any, served: str,
     if (req.max_tokens is not None and req.max_completion_tokens is not None
             and req.max_tokens != req.max_completion_tokens):
         raise _bad("max_tokens and max_completion_tokens disagree; give one", "max_tokens")
-    tok = _tokenizer(engine, "messages")
+    tok = tokenizer_of(engine, "messages")
     if not tok.chat_template:
         raise _bad("this model's tokenizer has no chat template: use /v1/completions", "messages")
     plan = tools.plan(req)
@@ -311,7 +312,7 @@ def generate_inputs(req: GenerateRequest, engine: Any, max_prompts: int = DEFAUL
         if not texts:
             raise _bad("text is empty: give at least one prompt", "text")
         _cap(len(texts), 1, max_prompts, "text")
-        tok = _tokenizer(engine, "text")
+        tok = tokenizer_of(engine, "text")
         prompts = [tok.encode(t) for t in texts]
         params = ["text" if single else f"text[{i}]" for i in range(len(texts))]
     else:
