@@ -3,7 +3,8 @@
   generate      text or token-id prompts (one, or several run as one batch) -> text or JSON
   serve         OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)
   bench         decode benchmark (tok/s, step time, achieved weight GB/s) or, with
-                --prefill, TTFT and prefill tok/s against the compute floor
+                --prefill, TTFT and prefill tok/s against the compute floor; with
+                --itl-under-prefill, running streams' ITL while a long prompt prefills
   quantize      dense Nemotron-H folder -> ModelOpt-layout W4A16_NVFP4 / NVFP4 / FP8 / mixed folder
   train-target  train the demo Nemotron-H target on GSM8K-format data
   train-draft   train a DFlash / DSpark draft for a target
@@ -122,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine_flags(g)
     b = command("bench", "decode (or --prefill) benchmark: tok/s against the floor",
                 "Decode benchmark on a model folder or a random model: prints one JSON line per "
-                "row. --prefill measures TTFT and prefill tok/s per --input-len instead.")
+                "row. --prefill measures TTFT and prefill tok/s per --input-len instead; "
+                "--itl-under-prefill the ITL of --batch-size streams while one --input-len "
+                "prompt prefills.")
     bench_arguments(b)
     q = command("quantize", "write a ModelOpt-format quantized checkpoint",
                 "Quantize a dense Nemotron-H folder into ModelOpt's layout.")
@@ -267,9 +270,14 @@ def _quantize(ns: argparse.Namespace) -> int:
 def _bench(ns: argparse.Namespace) -> int:
     # lazy: torch loads only when a command runs
     from blockspec.bench.engine_bench import main as bench_main
+    from blockspec.bench.itl_bench import main as itl_main  # lazy: as above
     from blockspec.bench.prefill_bench import main as prefill_main  # lazy: as above
 
-    return (prefill_main if ns.prefill else bench_main)(ns)
+    if ns.prefill and ns.itl_under_prefill:
+        print("blockspec bench: --prefill and --itl-under-prefill are two benchmarks: give one",
+              file=sys.stderr)
+        return 2
+    return (prefill_main if ns.prefill else itl_main if ns.itl_under_prefill else bench_main)(ns)
 
 
 def _serve(ns: argparse.Namespace) -> int:

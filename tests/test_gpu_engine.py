@@ -113,7 +113,6 @@ def test_triton_prefill_kernels_give_the_torch_tokens(demo, monkeypatch):
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(mamba2, "ssd_scan", counted)
-    monkeypatch.setattr(mamba2, "PREFILL_KERNELS", True)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (70, 41)]
     fast = Engine(model_path=str(demo), device="cuda", dtype="float32", chunked_prefill_size=48)

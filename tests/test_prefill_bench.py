@@ -78,8 +78,12 @@ def test_breakdown_parts_sum_within_the_total(rows):
         assert measured <= r["forward_s"] * (1 + 1e-9)
         assert r["forward_s"] <= r["ttft_s"]
         assert sum(p.values()) == pytest.approx(r["ttft_s"], rel=1e-9)
-        assert set(r["moe_parts_s"]) == set(NESTED)
-        assert sum(r["moe_parts_s"].values()) <= p["moe"] * (1 + 1e-9)
+        assert set(r["nested_s"]) == set(NESTED)
+        assert all(r["nested_s"][k] > 0 for k in NESTED if k.startswith("mamba."))
+        for kind in ("mamba", "moe"):
+            inside = sum(v for k, v in r["nested_s"].items() if k.startswith(kind + "."))
+            assert inside <= p[kind] * (1 + 1e-9)
+        assert "mamba.scan" in format_table(r)
         assert r["pct_of_ttft"]["mamba"] == pytest.approx(100 * p["mamba"] / r["ttft_s"])
 
 
@@ -95,7 +99,12 @@ def test_breakdown_leaves_the_model_unhooked():
         modules = list(engine.model.modules())
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
         assert not any(name in m.__dict__ for m in modules
-                       for name in ("_mamba", "compute_logits", "add_forward"))
+                       for name in ("_mamba", "compute_logits", "add_forward", "_in", "_conv",
+                                    "_norm_out"))
+        from blockspec.layers import mamba2
+        assert all(not hasattr(getattr(mamba2, f), "__wrapped__") and
+                   getattr(mamba2, f).__module__ != "blockspec.bench.prefill_breakdown"
+                   for f in ("causal_conv1d", "ssd_scan", "ssd_chunked_scan"))
         with pytest.raises(ValueError, match="input_len"):
             breakdown(engine, 17, list(range(3, 19)))
     finally:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.kernels.router_gemv import (_blocks, _splits, router_logits_reference,
-                                           router_partials, sum_partials)
+from blockspec.kernels.router_gemv import (GEMM_MIN_TOKENS, _blocks, _splits,
+                                           router_logits_reference, router_partials,
+                                           sum_partials)
 from tests.triton_modes import GPU, MODES, mode  # noqa: F401  (mode: fixture)
 
 pytest.importorskip("triton")
@@ -118,6 +119,15 @@ def test_default_splits():
     assert _splits(8, 2, 132) == 2           # never more splits than chunks
     x, w = _inputs(1, 8, 64, torch.float32, "cpu", seed=1)
     assert router_partials(torch.zeros(0, 64), w).shape == (1, 0, 8)
+
+
+def test_prefill_sizes_take_one_gemm():
+    """From GEMM_MIN_TOKENS tokens on the logits are one fp32 GEMM (one split, bit-equal to
+    the reference); just below it the GEMV kernel's K splits still run."""
+    x, w = _inputs(GEMM_MIN_TOKENS, 8, 64, torch.bfloat16, "cpu", seed=3)
+    parts = router_partials(x, w)
+    assert parts.shape == (1, GEMM_MIN_TOKENS, 8)
+    assert torch.equal(parts[0], router_logits_reference(x, w))
 
 
 def test_default_tiles_spread_the_weight():

@@ -164,7 +164,6 @@ def test_extend_with_kernels_equals_references(mode, monkeypatch):  # noqa: F811
         return wrapped
 
     monkeypatch.setattr(mamba2, "ssd_scan", counting(mamba2.ssd_scan))
-    monkeypatch.setattr(mamba2, "PREFILL_KERNELS", True)
     with torch.no_grad():
         if mode.type == "cpu":
             monkeypatch.setattr(mamba2, "use_triton", lambda x: True)

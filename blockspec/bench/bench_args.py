@@ -73,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure prefill instead of decode: TTFT, prefill tok/s and the compute "
                         "floor (config FLOPs over a bf16 matmul rate measured in the same run) "
                         "for each --input-len, at batch 1")
+    p.add_argument("--itl-under-prefill", action="store_true",
+                   help="measure the inter-token latency of --batch-size running streams while "
+                        "one --input-len prompt prefills (steady and during, p50/p99); "
+                        "--output-len must outlast the prefill")
     p.add_argument("--breakdown", action="store_true",
                    help="with --prefill: also split one prefill of each length by layer kind "
                         "(Mamba, attention, MoE, norms, lm_head, engine), as a table and JSON")

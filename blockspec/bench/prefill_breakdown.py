@@ -1,11 +1,13 @@
-"""Where one prefill's time goes, by layer kind: Mamba mixers, attention, MoE (with its
-router and, where it runs on its own, the shared expert), MLP, norms, embedding, lm_head,
-the rest of the model forward and the engine outside it.
+"""Where one prefill's time goes, by layer kind: Mamba mixers (with their in projection, conv,
+chunked scan and gated norm + out projection), attention, MoE (with its router and, where it
+runs on its own, the shared expert), MLP, norms, embedding, lm_head, the rest of the model
+forward and the engine outside it.
 
 Spans are taken around the model's own calls without editing the model: forward hooks on
 modules that are called (attention and MoE mixers, the embedding, the router, the shared
 expert), and per-instance wrappers where the model calls a method (``_mamba``, the blocks'
-``RMSNorm.add_forward``, ``compute_logits``). On CUDA a span is a pair of CUDA events (no
+``RMSNorm.add_forward``, ``compute_logits``, the mixer's ``_in`` / ``_conv`` / ``_norm_out``),
+and the Mamba module's kernel functions for the duration. On CUDA a span is a pair of CUDA events (no
 synchronization inside the prefill; the device time between the two points, launch gaps
 included); on CPU it is wall time, the ops being synchronous there. Everything is removed
 afterwards, so the engine runs unchanged. The top-level parts are disjoint, so they sum to at
@@ -20,10 +22,12 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from blockspec.bench.engine_bench import _sync
+from blockspec.layers import mamba2
 
 # disjoint parts of the forward, in table order; "moe.*" are inside "moe"
 TOP = ("mamba", "attention", "moe", "mlp", "norm", "embed", "lm_head")
-NESTED = ("moe.router", "moe.shared")
+NESTED = ("mamba.in_proj", "mamba.conv", "mamba.scan", "mamba.out_proj", "moe.router",
+          "moe.shared")
 # the parts of ``bench.flops.prefill_flops`` each timed part runs
 FLOPS_OF = {"mamba": ("mamba_proj", "mamba_scan"), "attention": ("attn_proj", "attn_scores"),
             "moe": ("moe_router", "moe_routed", "moe_shared"), "mlp": ("mlp",),
@@ -98,18 +102,43 @@ def _wrapped(obj: object, name: str, spans: Spans, label: str) -> Iterator[None]
         delattr(obj, name)
 
 
+@contextmanager
+def _patched(module: object, name: str, spans: Spans, label: str) -> Iterator[None]:
+    """Time calls of the module-level function ``module.name`` (restored afterwards)."""
+    inner: Callable = getattr(module, name)
+
+    def timed(*a, **kw):
+        spans.start((id(module), name))
+        try:
+            return inner(*a, **kw)
+        finally:
+            spans.stop((id(module), name), label)
+
+    setattr(module, name, timed)
+    try:
+        yield
+    finally:
+        setattr(module, name, inner)
+
+
 def instrument(model: torch.nn.Module, spans: Spans, stack: ExitStack) -> None:
     """Attach every span of the table to ``model`` (undone when ``stack`` closes)."""
     stack.enter_context(_hooked(model, spans, "forward"))
     stack.enter_context(_hooked(model.backbone.embeddings, spans, "embed"))
     stack.enter_context(_wrapped(model, "_mamba", spans, "mamba"))
+    for fn in ("causal_conv1d", "ssd_scan", "ssd_chunked_scan"):
+        stack.enter_context(_patched(mamba2, fn, spans, "mamba.conv" if "conv" in fn else "mamba.scan"))
     stack.enter_context(_wrapped(model, "compute_logits", spans, "lm_head"))
     stack.enter_context(_hooked(model.backbone.norm_f, spans, "norm"))
     stack.enter_context(_wrapped(model.backbone.norm_f, "add_forward", spans, "norm"))
     for block in model.backbone.layers:
         stack.enter_context(_hooked(block.norm, spans, "norm"))
         stack.enter_context(_wrapped(block.norm, "add_forward", spans, "norm"))
-        if block.kind in ("attention", "mlp"):
+        if block.kind == "mamba":
+            for name, label in (("_in", "mamba.in_proj"), ("_conv", "mamba.conv"),
+                                ("_norm_out", "mamba.out_proj")):
+                stack.enter_context(_wrapped(block.mixer, name, spans, label))
+        elif block.kind in ("attention", "mlp"):
             stack.enter_context(_hooked(block.mixer, spans, block.kind))
         elif block.kind == "moe":
             stack.enter_context(_hooked(block.mixer, spans, "moe"))
@@ -146,7 +175,7 @@ def breakdown(engine, input_len: int, prompt: list[int], flops: dict[str, int] |
     return {
         "bench": "prefill_breakdown", "input_len": input_len, "ttft_s": ttft,
         "forward_s": forward, "forwards": sum(1 for p in spans.pairs if p[0] == "forward"),
-        "parts_s": parts, "moe_parts_s": nested,
+        "parts_s": parts, "nested_s": nested,
         "pct_of_ttft": {k: 100 * v / ttft for k, v in parts.items()},
         "achieved_tflops": achieved,
     }
@@ -162,7 +191,7 @@ def format_table(row: dict) -> str:
         rate = row["achieved_tflops"].get(k)
         rate_s = "" if rate is None else f"{rate:>10.4g}"
         lines.append(f"{k:<16}{v * 1e3:>12.3f}{100 * v / ttft:>9.1f}{rate_s}")
-        if k == "moe":
-            for sub, s in row["moe_parts_s"].items():
+        for sub, s in row["nested_s"].items():
+            if sub.startswith(k + "."):
                 lines.append(f"  {sub:<14}{s * 1e3:>12.3f}{100 * s / ttft:>9.1f}")
     return "\n".join(lines)

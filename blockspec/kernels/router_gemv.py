@@ -11,6 +11,10 @@ At decode and verify sizes the K dimension is split across programs (``router_pa
 once and waits one memory round trip instead of S in a row; the routing kernel sums the S
 partials in index order as it reads them, so there is no reduce launch and the result is
 deterministic (``sum_partials`` adds them in the same order, for the tests).
+
+At prefill sizes (``GEMM_MIN_TOKENS`` tokens or more) the GEMV's re-reading of the weight for
+every block of 16 tokens on the CUDA cores loses to a cuBLAS fp32 GEMM (3.7 TFLOP/s against
+tens in a 2048-token chunk), so ``router_partials`` hands those to ``F.linear`` as one split.
 ``router_logits_reference`` is the torch code, kept for the tests and for the CPU.
 """
 from __future__ import annotations
@@ -29,6 +33,7 @@ _MAX_BLOCK_T = 16
 _MAX_BLOCK_E = 8
 _MAX_BLOCK_K = 1024
 _PROGRAMS_PER_SM = 3  # K splits stop before the grid passes this many programs per SM
+GEMM_MIN_TOKENS = 1024  # from here on a cuBLAS fp32 GEMM (prefill chunks; verify stays below)
 
 
 def router_logits_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -91,7 +96,8 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, *,
     ``[S, T, E]`` fp32 partial sums over S consecutive ranges of H: their sum in index order
     is the router logits (equal to ``router_logits_reference`` within fp32 rounding, since
     the sums run in another order). ``blocks`` = (BLOCK_T, BLOCK_E, BLOCK_K), powers of two,
-    and ``splits`` override the tile and split choice (for tuning and tests)."""
+    and ``splits`` override the tile and split choice (for tuning and tests); without them,
+    ``GEMM_MIN_TOKENS`` tokens or more are one cuBLAS GEMM (S = 1)."""
     _check(x, weight)
     t, h = x.shape
     e = weight.shape[0]
@@ -101,6 +107,8 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, *,
         raise ValueError(f"splits must be >= 1, got {splits}")
     if t == 0 or e == 0 or h == 0:
         return torch.zeros(1, t, e, dtype=torch.float32, device=x.device)
+    if blocks is None and splits is None and t >= GEMM_MIN_TOKENS:
+        return router_logits_reference(x, weight)[None]
     sms = sm_count(x.device, cpu=8)
     block_t, block_e, block_k = blocks or _blocks(t, e, h, sms)
     chunks = -(-h // block_k)

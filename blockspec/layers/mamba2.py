@@ -11,8 +11,8 @@
 The torch code here is the reference (fp32 state and scan math). On CUDA, decode and verify
 steps run as one Triton kernel per layer (``kernels/mamba_step.py``) that reads and writes the
 state pool in place; ``forward_steps`` picks the path. A prefill's conv and chunked scan have
-Triton kernels too (``kernels/causal_conv.py``, ``kernels/ssd_scan.py``); ``extend`` takes them
-on CUDA once ``PREFILL_KERNELS`` is on.
+Triton kernels too (``kernels/causal_conv.py``, ``kernels/ssd_scan.py``), which ``extend``
+takes wherever Triton runs.
 """
 from __future__ import annotations
 
@@ -28,11 +28,6 @@ from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.norm import GatedGroupRMSNorm
 from blockspec.quant.linear import fused_input_scale
-
-# The prefill kernels pass their interpreter tests on the CPU but have not run on a GPU yet;
-# until they have (tests/test_ssd_scan.py and test_gpu_engine.py with -m gpu), prefill stays on
-# the torch references everywhere.
-PREFILL_KERNELS = False
 
 
 def ssd_chunked_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -187,7 +182,7 @@ class Mamba2Mixer(nn.Module):
         ``kernels/ssd_scan.py``) reading the conv output in its own dtype; elsewhere
         ``_conv`` and ``ssd_chunked_scan``, their references."""
         z, xbc, dt_raw = self._split(u)
-        fast = PREFILL_KERNELS and use_triton(u)
+        fast = use_triton(u)
         if fast:
             conv_out, window = causal_conv1d(xbc, conv_state, self.conv1d.weight, self.conv1d.bias)
         else:

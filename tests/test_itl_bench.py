@@ -1,0 +1,47 @@
+"""The ITL-under-prefill benchmark: its gap bookkeeping, and one tiny CPU run whose rows see
+the long prompt's prefill chunks between the streams' tokens (speed is never asserted)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from blockspec.bench.bench_args import add_arguments
+from blockspec.bench.itl_bench import gaps, run, summary
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_gaps_are_per_token_and_bounded_by_their_end():
+    ev = [(0.0, 1), (1.0, 1), (3.0, 2), (4.0, 1)]
+    assert gaps(ev, 0.0, 4.0) == [1.0, 1.0, 1.0]          # the 2-token output: 2 s / 2
+    assert gaps(ev, 1.0, 3.0) == [1.0]                    # only the gap ending at 3.0
+    s = summary([0.001, 0.002, 0.003])
+    assert s["n"] == 3 and s["p50_ms"] == pytest.approx(2.0) and s["max_ms"] == pytest.approx(3.0)
+
+
+def test_long_prefill_shows_in_the_running_streams():
+    ns = _args(["--itl-under-prefill", "--batch-size", "2", "--input-len", "384",
+                "--output-len", "400", "--chunked-prefill-size", "64", "--device", "cpu",
+                "--dtype", "float32"])
+    row = run(ns)
+    assert row["streams"] == 2 and row["input_len"] == 384 and row["chunked_prefill_size"] == 64
+    assert row["steady_itl"]["n"] >= 2 * 40
+    # 6 chunks alternate with decode steps: each stream sees a gap per chunk
+    assert row["during_prefill_itl"]["n"] >= 2 * 5
+    assert row["long_ttft_s"] > 0
+    assert row["p99_during_over_steady_p50"] == pytest.approx(
+        row["during_prefill_itl"]["p99_ms"] / row["steady_itl"]["p50_ms"])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--batch-size", "2,4", "--input-len", "64"], "one --batch-size"),
+    (["--batch-size", "2", "--input-len", "64,128"], "one --batch-size"),
+])
+def test_one_shape_per_run(argv, match):
+    with pytest.raises(ValueError, match=match):
+        run(_args(["--itl-under-prefill", "--device", "cpu", *argv]))
