@@ -143,6 +143,10 @@ class EngineArgs:
     max_total_tokens: int | None = arg(None, "cache capacity in tokens over all running requests "
                                              "(prompt + max_new_tokens each); default: 32768")
     chunked_prefill_size: int = arg(2048, "most prompt tokens per prefill forward")
+    decoding_prefill_chunk_size: int = arg(
+        512, "most prompt tokens per prefill forward while other requests decode: such a "
+             "forward runs between two of their steps and delays each stream by its time "
+             "(capped by --chunked-prefill-size)")
     page_size: int = arg(16, "tokens per KV cache block")
     attention_backend: str | None = arg(None, "attention kernels for every phase; default: auto "
                                               "(the best usable on the device)",
@@ -207,7 +211,8 @@ class EngineArgs:
         if self.speculative_draft_lm_head not in DRAFT_LM_HEADS:
             raise ArgsError(f"speculative_draft_lm_head must be one of {', '.join(DRAFT_LM_HEADS)}, "
                             f"got {self.speculative_draft_lm_head!r}")
-        for name in ("max_running_requests", "chunked_prefill_size", "page_size", "cuda_graph_max_bs"):
+        for name in ("max_running_requests", "chunked_prefill_size", "decoding_prefill_chunk_size",
+                     "page_size", "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ArgsError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:

@@ -148,6 +148,37 @@ def test_new_requests_join_while_others_stream(engine):
         e.shutdown()
 
 
+def test_prefill_chunks_shrink_while_others_decode(engine):
+    """A prompt prefills in chunks of decoding_prefill_chunk_size while another request
+    decodes (each chunk delays that stream by one forward) and of chunked_prefill_size when
+    nothing decodes; the tokens are the same either way."""
+    e = Engine(model_path=engine.args.model_path, device="cpu", chunked_prefill_size=32,
+               decoding_prefill_chunk_size=8)
+    sizes: list[int] = []
+    extend = e.runner.extend
+
+    def recording(slots, starts, tokens, **kw):
+        sizes.extend(len(t) for t in tokens)
+        return extend(slots, starts, tokens, **kw)
+
+    e.runner.extend = recording
+    try:
+        long_prompt = [(5 * i) % 250 + 3 for i in range(64)]
+        sp = {**GREEDY, "max_new_tokens": 4}
+        alone = e.generate(input_ids=long_prompt, sampling_params=sp)["output_ids"]
+        assert sizes == [32, 32]
+        outs: list = []
+        a = _submit(e, [3, 4, 5], {**GREEDY, "max_new_tokens": 300}, outs)
+        wait_until(lambda: len(outs) >= 2)
+        sizes.clear()
+        beside = e.generate(input_ids=long_prompt, sampling_params=sp)["output_ids"]
+        assert sizes == [8] * 8
+        assert beside == alone
+        e.abort(a, wait=10)
+    finally:
+        e.shutdown()
+
+
 def test_requests_wait_for_capacity_and_all_complete(tiny_folder, engine):
     small = Engine(model_path=str(tiny_folder), device="cpu", max_total_tokens=96, page_size=8,
                    max_running_requests=8)

@@ -220,6 +220,7 @@ class Engine:
         detok = tokenizer.decode if tokenizer else None
         self.scheduler = Scheduler(
             self.runner, self.memory, eos_token_ids=eos, chunked_prefill_size=args.chunked_prefill_size,
+            decoding_prefill_chunk_size=args.decoding_prefill_chunk_size,
             detokenize=detok, drafter=self.drafter, seed=args.random_seed)
         # The loop thread never refers back to the Engine, so an Engine dropped without
         # shutdown() is collected and its finalizer stops the thread.

@@ -76,12 +76,16 @@ class BadRow(ValueError):
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, memory: MemoryManager, *, eos_token_ids: list[int],
-                 chunked_prefill_size: int, detokenize: Callable[[list[int]], str] | None = None,
+                 chunked_prefill_size: int, decoding_prefill_chunk_size: int | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None,
                  drafter: Drafter | None = None, seed: int = 0) -> None:
         self.runner = runner
         self.memory = memory
         self.eos = set(eos_token_ids)
         self.chunk = chunked_prefill_size
+        # the chunk while requests decode: it sits between two of their steps
+        self.decoding_chunk = min(decoding_prefill_chunk_size or chunked_prefill_size,
+                                  chunked_prefill_size)
         self.detokenize = detokenize
         self.drafter = drafter
         self.seed = seed
@@ -129,11 +133,12 @@ class Scheduler:
         prefilling = self.prefilling if group is None else [r for r in self.prefilling
                                                             if id(r) in group]
         running = self.running if group is None else [r for r in self.running if id(r) in group]
-        # While both have work, prefill chunks alternate with decode steps, so a long prompt
-        # being prefilled does not stall the running streams.
+        # While both have work, prefill chunks (of at most ``decoding_chunk`` tokens) alternate
+        # with decode steps, so a long prompt being prefilled stalls the running streams by
+        # one short forward a token, not by its whole prefill.
         if prefilling and not (running and self._last_was_prefill):
             self._last_was_prefill = True
-            changed = self._prefill_step(prefilling)
+            changed = self._prefill_step(prefilling, self.decoding_chunk if running else self.chunk)
         else:
             self._last_was_prefill = False
             changed = self._decode_step(running) if running else []
@@ -200,8 +205,8 @@ class Scheduler:
         self.waiting.requeue(victim)
         return True
 
-    def _prefill_step(self, prefilling: list[Request]) -> list[Request]:
-        budget, chunks = self.chunk, []
+    def _prefill_step(self, prefilling: list[Request], budget: int) -> list[Request]:
+        chunks = []
         for req in prefilling:
             if budget <= 0:
                 break
