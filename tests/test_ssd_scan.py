@@ -48,11 +48,27 @@ def test_ssd_scan_lightning_dims(mode):  # noqa: F811
     _check_scan(mode, (2, 700, 8, 2, 64, 128), 128)
 
 
-def _check_scan(device: torch.device, shape, chunk):
+@pytest.mark.parametrize("mode", [pytest.param("cuda", marks=GPU)], indirect=True)
+@pytest.mark.parametrize("precision", ["tf32x3"])
+def test_ssd_scan_tensor_core_precisions(mode, precision):  # noqa: F811
+    """The tensor-core operand precisions on Lightning's dims: tf32x3 within the fp32
+    tolerance of the reference (plain tf32 is measured by scripts/bench_ssd_scan.py, not
+    held to it)."""
+    _check_scan(mode, (1, 700, 8, 2, 64, 128), 128, precision=precision)
+
+
+def test_ssd_scan_refuses_an_unknown_precision():
+    from blockspec.kernels.ssd_scan import ssd_scan
+
+    with pytest.raises(ValueError, match="precision"):
+        ssd_scan(*_inputs((1, 4, 2, 1, 4, 4), torch.float32, "cpu"), 4, precision="fp16")
+
+
+def _check_scan(device: torch.device, shape, chunk, precision=None):
     from blockspec.kernels.ssd_scan import ssd_scan
 
     args = _inputs(shape, torch.float32, device)
-    y, S, bounds = ssd_scan(*args, chunk, return_chunk_states=True)
+    y, S, bounds = ssd_scan(*args, chunk, return_chunk_states=True, precision=precision)
     y_ref, S_ref, bounds_ref = ssd_chunked_scan(*args, chunk, return_chunk_states=True)
     assert bounds.shape == (shape[0], -(-shape[1] // chunk), shape[2], shape[4], shape[5])
     _close(y, y_ref)

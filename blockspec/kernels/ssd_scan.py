@@ -13,20 +13,21 @@ import torch
 from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow2
 
 _KERNELS = Path(__file__).with_name("_ssd_scan_kernels.py")
-# fp32 operands at full precision, as the reference: tf32 or bf16 operands would be faster on
-# tensor cores, a choice for measurement on the GPU, not made here
+# the dots' operand precision: "ieee" (fp32 on the CUDA cores, as the reference), "tf32x3"
+# (three tf32 tensor-core passes, fp32-level error) or "tf32"
+PRECISIONS = ("ieee", "tf32x3", "tf32")
 _PRECISION = "ieee"
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
              C: torch.Tensor, state: torch.Tensor, chunk: int, *,
-             return_chunk_states: bool = False):
+             return_chunk_states: bool = False, precision: str | None = None):
     """x [Bt,T,H,P], dt [Bt,T,H] (after softplus), A [H], B/C [Bt,T,G,N] per group (G divides
     H; heads h*H/G .. share group h), state [Bt,H,P,N]; any float dtypes and strides (the
     innermost dims of x, B, C may be views into a wider row). Returns y [Bt,T,H,P] fp32
     (without the D skip), the final state [Bt,H,P,N] fp32 and, with ``return_chunk_states``,
     the state after every chunk [Bt, ceil(T/chunk), H, P, N] (the last is the final state),
-    as ``ssd_chunked_scan``."""
+    as ``ssd_chunked_scan``. ``precision``: one of ``PRECISIONS`` (default ``_PRECISION``)."""
     Bt, T, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     if (dt.shape != (Bt, T, H) or A.shape != (H,) or B.shape != (Bt, T, G, N)
@@ -35,6 +36,9 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         raise ValueError(f"ssd_scan: shapes x {tuple(x.shape)}, dt {tuple(dt.shape)}, "
                          f"A {tuple(A.shape)}, B {tuple(B.shape)}, C {tuple(C.shape)}, "
                          f"state {tuple(state.shape)}, chunk {chunk} do not fit together")
+    precision = precision or _PRECISION
+    if precision not in PRECISIONS:
+        raise ValueError(f"ssd_scan: precision must be one of {PRECISIONS}, got {precision!r}")
     dev = x.device
     nchunks = -(-T // chunk)
     acs = torch.empty(Bt, H, nchunks, chunk, dtype=torch.float32, device=dev)
@@ -60,7 +64,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     kernels._chunk_state_kernel[(Bt * nchunks, H, tiles)](
         x, dt, B, acs, states, T, *x_strides, *dt_strides, *b_strides, *acs_strides,
         *st_strides, H=H, G=G, P=P, N=N, Q=chunk, BLOCK_P=block_p, BLOCK_N=block_n,
-        BLOCK_K=block_k, PRECISION=_PRECISION, **extra)
+        BLOCK_K=block_k, PRECISION=precision, **extra)
 
     block = min(next_pow2(P * N), 1024)
     kernels._state_passing_kernel[(Bt, H, -(-(P * N) // block))](
@@ -72,7 +76,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     kernels._chunk_scan_kernel[(Bt * nchunks, H, tiles)](
         x, dt, B, C, acs, states, y, T, *x_strides, *dt_strides, *b_strides, *C.stride(),
         *acs_strides, *st_strides, *y.stride(), H=H, G=G, P=P, N=N, Q=chunk, BLOCK_M=block_m,
-        BLOCK_P=block_p, BLOCK_N=next_pow2(N, 16), BLOCK_K=block_k, PRECISION=_PRECISION,
+        BLOCK_P=block_p, BLOCK_N=next_pow2(N, 16), BLOCK_K=block_k, PRECISION=precision,
         **extra)
     if return_chunk_states:
         return y, states[:, -1], states[:, 1:]
