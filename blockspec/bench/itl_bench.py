@@ -26,7 +26,7 @@ import torch
 
 from blockspec.bench.engine_bench import _sync, build_engine
 from blockspec.bench.prefill_bench import _prompt
-from blockspec.bench.serve_load import percentile
+from blockspec.bench.stats import percentile
 from blockspec.sampling import SamplingParams
 
 STREAM_PROMPT = 128

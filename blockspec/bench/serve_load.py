@@ -16,16 +16,9 @@ import math
 import time
 from typing import Any
 
+from blockspec.bench.stats import percentile
 from blockspec.engine import Engine
 from blockspec.server.launch import ServerThread
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100])."""
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
 
 
 async def run_load(url: str, *, requests: int = 200, max_tokens: int = 16,
