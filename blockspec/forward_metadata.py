@@ -26,6 +26,19 @@ class Mode(Enum):
     DRAFT = "draft"     # a draft block: writes the block's K/V into the draft pool
 
 
+@dataclass(frozen=True)
+class ExtendGroup:
+    """The requests of a prefill forward whose chunks have one length ``q``, for one batched
+    Mamba scan: their rows are either one contiguous block ``[start, start + n * q)``
+    (consecutive requests: a view, no gather) or the index ``rows`` [n, q]."""
+
+    q: int
+    n: int
+    slots: torch.Tensor                  # [n] request slots (a view of req_slots when contiguous)
+    start: int = -1
+    rows: torch.Tensor | None = None
+
+
 @dataclass
 class ForwardMetadata:
     mode: Mode
@@ -49,10 +62,37 @@ class ForwardMetadata:
     logits_rows: torch.Tensor | None = None   # rows whose logits are wanted (None = all)
     capture_layers: tuple[int, ...] = ()      # residual-stream taps (layer index to tap before)
     attn_state: dict[str, Any] = field(default_factory=dict)   # per-forward backend data
+    _extend_groups: list[ExtendGroup] | None = field(default=None, repr=False)
 
     @property
     def num_rows(self) -> int:
         return self.input_ids.shape[0]
+
+    def extend_groups(self) -> list[ExtendGroup]:
+        """An extend's requests grouped by chunk length, built once per forward (the first
+        Mamba layer asks; the others reuse it), so no layer copies indices to the device: a
+        host-to-device copy waits for the stream, and one per layer would idle the GPU."""
+        if self._extend_groups is None:
+            starts, acc = [], 0
+            for q in self.q_lens_host:
+                starts.append(acc)
+                acc += q
+            by_len: dict[int, list[int]] = {}
+            for b, q in enumerate(self.q_lens_host):
+                by_len.setdefault(q, []).append(b)
+            groups = []
+            dev = self.req_slots.device
+            for q, members in by_len.items():
+                b0, n = members[0], len(members)
+                if members == list(range(b0, b0 + n)):
+                    groups.append(ExtendGroup(q, n, self.req_slots[b0:b0 + n], start=starts[b0]))
+                else:
+                    index = torch.tensor([[starts[b] + i for i in range(q)] for b in members],
+                                         device=dev)
+                    groups.append(ExtendGroup(q, n, self.req_slots[torch.tensor(members, device=dev)],
+                                              rows=index))
+            self._extend_groups = groups
+        return self._extend_groups
 
 
 def flat_slots(block_table: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,

@@ -156,3 +156,28 @@ def test_steps_overlap_and_finished_rows_are_dropped(engine, monkeypatch):
         assert engine.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": n}
                                )["output_ids"] == o["output_ids"]
     assert engine.memory.lookahead == 2 * engine.memory.step_width == 2
+
+
+def test_equal_chunks_apart_share_one_scan_and_match_alone(engine):
+    """Prompts of lengths 4, 2, 4 in one prefill: the two 4-token chunks (not neighbours)
+    run one Mamba scan through a row index, the 2-token one alone as a view; every output
+    equals its prompt decoded alone."""
+    from blockspec.forward_metadata import ForwardMetadata
+
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14]]
+    seen = []
+    groups = ForwardMetadata.extend_groups
+
+    def recording(meta):
+        out = groups(meta)
+        seen.append([(g.q, g.n, g.rows is None) for g in out])
+        return out
+
+    ForwardMetadata.extend_groups = recording
+    try:
+        batched = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=GREEDY)]
+    finally:
+        ForwardMetadata.extend_groups = groups
+    assert [(4, 2, False), (2, 1, True)] in seen
+    alone = [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in prompts]
+    assert batched == alone

@@ -120,25 +120,25 @@ class NemotronHForCausalLM(nn.Module):
         pool = meta.mamba
         conv, ssm = pool.conv[n], pool.ssm[n]
         if meta.mode == Mode.EXTEND:
-            # requests with equal chunk lengths share one batched chunked scan (prefill is eager:
-            # the lengths are host-side numbers)
-            out = torch.empty_like(x)
-            starts, acc = [], 0
-            for q in meta.q_lens_host:
-                starts.append(acc)
-                acc += q
-            groups: dict[int, list[int]] = {}
-            for b, q in enumerate(meta.q_lens_host):
-                groups.setdefault(q, []).append(b)
-            for q, members in groups.items():
-                idx = torch.tensor(members, device=x.device)
-                rows = (torch.tensor([starts[b] for b in members], device=x.device)[:, None]
-                        + torch.arange(q, device=x.device)[None])
-                slots = meta.req_slots[idx]
-                y, window, state = mixer.extend(x[rows], conv[slots], ssm[slots])
-                conv[slots] = window
-                ssm[slots] = state
-                out[rows.reshape(-1)] = y.reshape(-1, y.shape[-1])
+            # requests with equal chunk lengths share one batched chunked scan; consecutive
+            # ones read and write their rows as views (prefill is eager: host-side lengths)
+            groups = meta.extend_groups()
+            out = None if len(groups) == 1 and groups[0].rows is None else torch.empty_like(x)
+            for g in groups:
+                if g.rows is None:
+                    xs = x[g.start:g.start + g.n * g.q].view(g.n, g.q, -1)
+                else:
+                    xs = x[g.rows]
+                y, window, state = mixer.extend(xs, conv[g.slots], ssm[g.slots])
+                conv[g.slots] = window
+                ssm[g.slots] = state
+                y = y.reshape(-1, y.shape[-1])
+                if out is None:
+                    return y
+                if g.rows is None:
+                    out[g.start:g.start + g.n * g.q] = y
+                else:
+                    out[g.rows.reshape(-1)] = y
             return out
         if meta.mode == Mode.DECODE:
             return mixer.forward_steps(x, conv, ssm, meta.req_slots, meta.q_len, commit=True)
