@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from blockspec.configs.nemotron_h import NemotronHConfig
 from blockspec.forward_metadata import ForwardMetadata, Mode
 from blockspec.layers.attention import Attention
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.mamba2 import Mamba2Mixer
 from blockspec.layers.moe import MoE, ReluSquaredMLP
 from blockspec.layers.norm import RMSNorm
-from blockspec.configs.nemotron_h import NemotronHConfig
 
 
 @dataclass
