@@ -170,3 +170,17 @@ def test_low_acceptance_phases_show_in_the_realised_rates():
     assert 0.6 < r["accept_rates"][0] < 0.9
     _within_tolerance(r, r["simulated_expected_rates"])
     assert r["accept_length"] == pytest.approx(r["simulated_expected_accept_length"], rel=0.1)
+
+
+def test_accept_length_shorthand_runs_as_its_step_profile():
+    """--simulate-accept-length 2.6 at width 4 is the profile 1, 0.6, 0: every verify accepts
+    1 or 2 drafts, never 0 or 3, and the row names the profile it ran."""
+    rows = run(_args(device="cpu", input_len=4, output_len=60, batch_size=[2], repeats=1,
+                     random_draft="dflash", speculative_num_draft_tokens=4,
+                     simulate_accept_length=2.6))
+    r = rows[0]
+    assert r["simulated_accept_length"] == 2.6
+    assert r["simulated_accept_profile"] == pytest.approx([1.0, 0.6, 0.0])
+    hist = r["accept_histogram"]
+    assert hist[0] == 0 and hist[3] == 0 and hist[1] > 0 and hist[2] > 0
+    assert r["accept_rates"][0] == 1.0 and r["accept_rates"][2] == 0.0

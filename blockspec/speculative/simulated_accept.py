@@ -44,5 +44,5 @@ class SimulatedAcceptance:
         p = self._table[:gamma].expand(coins.shape[0], gamma)
         if self.every:
             low = (verify_ctr.to(torch.int64) % self.every) >= self.every - self.low_len
-            p = p * torch.where(low, self.low_scale, 1.0).to(p.dtype)[:, None]
+            p = p * (1.0 - low.to(p.dtype) * (1.0 - self.low_scale))[:, None]
         return (coins < p).long().cumprod(dim=1).sum(dim=1)
