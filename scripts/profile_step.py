@@ -21,8 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from blockspec.args import DRAFT_LM_HEADS  # noqa: E402
 from blockspec.bench import presets  # noqa: E402
+from blockspec.bench.accept_profile import accept_length_profile  # noqa: E402
 from blockspec.engine import Engine  # noqa: E402
 from blockspec.runtime.metadata import StepBatch  # noqa: E402
+from blockspec.speculative.simulated_accept import SimulatedAcceptance  # noqa: E402
 
 
 class Phases:
@@ -163,8 +165,9 @@ def main() -> None:
                       temperature=[0.0] * bs, top_k=[-1] * bs, top_p=[1.0] * bs, min_p=[0.0] * bs,
                       seeds=list(range(bs)), sample_counters=[0] * bs, verify_counters=[0] * bs)
     fn, kind = (e.drafter.step_fn, "spec") if draft is not None else (runner.decode_step, "decode")
-    if draft is not None:
-        e.drafter.simulate_accept_length = a.simulate_accept_length
+    if draft is not None and a.simulate_accept_length is not None:
+        e.drafter.simulate = SimulatedAcceptance(
+            accept_length_profile(a.simulate_accept_length, e.drafter.gamma), dev)
     if a.verify_only:
         from blockspec.forward_metadata import Mode
         from blockspec.runtime.metadata import uniform_metadata

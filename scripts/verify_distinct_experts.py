@@ -4,9 +4,11 @@ and the distinct tokens per verify block: full quantized Lightning, batch 1, 48 
     python scripts/verify_distinct_experts.py
 """
 import argparse, statistics, torch
+from blockspec.bench.accept_profile import accept_length_profile
 from blockspec.bench.bench_args import add_arguments
 from blockspec.bench.engine_bench import build_engine
 from blockspec.layers.moe import MoE
+from blockspec.speculative.simulated_accept import SimulatedAcceptance
 p = argparse.ArgumentParser(); add_arguments(p)
 seen = []
 orig = MoE.routed_pairs
@@ -20,7 +22,9 @@ for kind in ("dflash", "dspark"):
     ns.quantized = True; ns.input_len = 128; ns.output_len = 48; ns.disable_cuda_graph = True
     ns.random_draft = kind; ns.speculative_num_draft_tokens = 6 if kind == "dflash" else 4
     engine, _ = build_engine(ns, 1)
-    engine.drafter.simulate_accept_length = 4.2 if kind == "dflash" else 3.7
+    tau = 4.2 if kind == "dflash" else 3.7
+    engine.drafter.simulate = SimulatedAcceptance(accept_length_profile(tau, engine.drafter.gamma),
+                                                  engine.device)
     toks = []
     tgt = engine.drafter.target
     of = tgt.forward

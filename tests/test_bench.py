@@ -46,7 +46,7 @@ def test_simulated_proposals_are_distinct_random_tokens():
     from blockspec.speculative.worker import SpecWorker
 
     seeds, ctr = torch.tensor([7, 8, 9]), torch.tensor([0, 0, 3])
-    draw = lambda c: uniforms(seeds, c, Stream.SIMULATE, 1 + 5)[:, 1:]   # as step_fn draws
+    draw = lambda c: uniforms(seeds, c, Stream.SIMULATE, 2 * 5)[:, 5:]   # as _propose draws
     a = SpecWorker._simulated_proposals(draw(ctr), 131072)
     b = SpecWorker._simulated_proposals(draw(ctr + 1), 131072)
     assert a.shape == (3, 5) and a.dtype == torch.int64

@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 
 from blockspec.args import DRAFT_LM_HEADS
+from blockspec.bench.accept_profile import NAMED_PROFILES
 
 # Keys of bench.presets.PRESETS (a test keeps the two in step).
 PRESET_NAMES = ("lightning-mini", "nemotron-3.5-lightning", "tiny")
+# "dflash", "dspark" and the keys of bench.draft_presets.DRAFT_PRESETS (a test keeps them in step)
+RANDOM_DRAFTS = ("dflash", "dspark", "dflash-nemotron35", "dspark-nemotron35")
 
 
 def _int_list(text: str) -> list[int]:
@@ -34,9 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N; default: auto")
     p.add_argument("--dtype", help="auto, float32, bfloat16 or float16; default: auto (bf16 for "
                                    "presets)")
-    p.add_argument("--random-draft", choices=["dflash", "dspark"],
+    p.add_argument("--random-draft", choices=RANDOM_DRAFTS,
                    help="attach a random draft of this kind, built in memory (measures step cost; "
-                        "see --simulate-accept-length for speed-up)")
+                        "see --simulate-accept-length for speed-up): dflash / dspark = a generic "
+                        "2-layer bf16 draft; *-nemotron35 = shaped like Nemotron 3.5 Lightning's "
+                        "published drafts (0.74 B / 0.81 B parameters, W4A16 NVFP4)")
     p.add_argument("--speculative-algorithm", help="DFLASH or DSPARK with "
                                                    "--speculative-draft-model-path; default: off")
     p.add_argument("--speculative-draft-model-path", help="draft checkpoint folder; default: none")
@@ -48,7 +53,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "dense 16-bit head on CUDA)")
     p.add_argument("--simulate-accept-length", type=float, metavar="TAU",
                    help="force the mean tokens committed per verify (bonus included) to TAU, as if "
-                        "a trained draft were attached (sglang's simulated acceptance); default: off")
+                        "a trained draft were attached (sglang's simulated acceptance): the profile "
+                        "that accepts floor(TAU-1) or ceil(TAU-1) drafts; default: off")
+    p.add_argument("--simulate-accept-profile", metavar="P1,P2,...|NAME",
+                   help="force acceptance per draft position: P(draft i accepted | drafts before "
+                        "it accepted), a comma list covering the verify block, or one of "
+                        + ", ".join(NAMED_PROFILES) + " (docs/benchmarks.md); default: off")
+    p.add_argument("--simulate-low-accept-phases", metavar="every=N,len=L,scale=S",
+                   help="with a simulated acceptance: the last L of every N verify steps of a "
+                        "request multiply each probability by S; default: off")
     p.add_argument("--json-schema", metavar="FILE",
                    help="constrain every sequence to this JSON schema (structured output), to "
                         "measure the grammar mask's cost; a preset gets a synthetic byte-level "

@@ -1,7 +1,9 @@
 """End-to-end decode benchmark: tokens/s, per-step time and achieved weight bandwidth.
 
     blockspec bench [--model-path P | --preset lightning-mini|nemotron-3.5-lightning|tiny
-        [--quantized]] [--random-draft dflash|dspark [--simulate-accept-length TAU]]
+        [--quantized]] [--random-draft dflash|dspark|dflash-nemotron35|dspark-nemotron35
+        [--simulate-accept-length TAU | --simulate-accept-profile P1,P2,...|NAME]
+        [--simulate-low-accept-phases every=N,len=L,scale=S]]
         --batch-size 1,4,16,64 --input-len 128 --output-len 64 [--compare-eager]
         [--compare-transformers] [--json-schema FILE]
 
@@ -15,6 +17,11 @@ uniform routing, D(n) = E (1 - (1 - k/E)^n) for n = batch x verify width tokens 
 k of E experts; an expert is missed by all n with probability (1 - k/E)^n). The floor is those
 bytes at the H200's 4.8 TB/s (NVIDIA's HBM3e figure; a device copy measures about 4.2-4.3 TB/s,
 so 100 % of the floor is out of reach).
+
+Simulated acceptance (``bench/accept_profile.py``, ``speculative/simulated_accept.py``)
+forces which drafts a verify accepts; a speculative row reports the realised per-position
+rates (``accept_rates``: P(draft i accepted | drafts before it accepted), from the pooled
+accept histogram) and, when simulated, what the profile and phases predict for the same steps.
 
 ``--json-schema`` constrains every sequence to a schema; a sequence may then end before
 ``--output-len`` (when its JSON closes), so steps are counted from the tokens produced.
@@ -32,12 +39,13 @@ from pathlib import Path
 
 import torch
 
-from blockspec.bench import presets
+from blockspec.bench import accept_profile, draft_presets, presets
 from blockspec.bench.presets import preset_config
 from blockspec.bench.synthetic_tokenizer import synthetic_tokenizer
 from blockspec.checkpoint import DTYPES
 from blockspec.engine import Engine
 from blockspec.engine.engine import resolve_device
+from blockspec.speculative.simulated_accept import SimulatedAcceptance
 
 H200_BW = 4.8e12
 
@@ -97,12 +105,42 @@ def build_engine(args: argparse.Namespace, max_bs: int):
     model = presets.build_target(args.preset, device, dtype, args.quantized)
     draft = None
     if args.random_draft:
-        width = args.speculative_num_draft_tokens or 4
-        block = width if args.random_draft == "dflash" else width - 1
-        draft = presets.build_draft(args.random_draft, cfg, block, device, dtype)
+        draft = draft_presets.build_random_draft(args.random_draft, cfg, random_draft_block(args),
+                                                 device, dtype)
     label = f"random:{args.preset}" + (":lightning-quant" if args.quantized else "")
     tokenizer = synthetic_tokenizer(cfg["vocab_size"]) if args.json_schema else None
     return Engine.from_model(model, draft=draft, tokenizer=tokenizer, **common), label
+
+
+def random_draft_block(args: argparse.Namespace) -> int:
+    """Block size of ``--random-draft``: DFlash block W, DSpark gamma W - 1 (default W 4)."""
+    width = args.speculative_num_draft_tokens or 4
+    return width if draft_presets.algorithm_of(args.random_draft) == "dflash" else width - 1
+
+
+def _round4(xs: list[float | None]) -> list[float | None]:
+    return [None if x is None else round(x, 4) for x in xs]
+
+
+def acceptance_fields(engine, outs: list[dict]) -> dict:
+    """Realised per-position rates of a speculative run and, under simulated acceptance, the
+    mean and rates the profile and phases predict for the same requests' verify steps."""
+    hists = [o["meta_info"].get("spec_accept_histogram") or [] for o in outs]
+    width = engine.drafter.width
+    pooled = [sum(h[i] for h in hists if len(h) > i) for i in range(width)]
+    out = {"accept_histogram": pooled,
+           "accept_rates": _round4(accept_profile.histogram_rates(pooled))}
+    sim = engine.drafter.simulate
+    if sim is not None:
+        phases = (accept_profile.LowAcceptPhases(sim.every, sim.low_len, sim.low_scale)
+                  if sim.every else None)
+        steps = [o["meta_info"]["spec_verify_ct"] for o in outs]
+        low = sum(phases.low_steps(n) for n in steps) if phases else 0
+        mean, rates = accept_profile.expected_rates(sim.probs, width - 1, phases,
+                                                    sum(steps) - low, low)
+        out.update(simulated_expected_accept_length=round(mean, 4),
+                   simulated_expected_rates=_round4(rates), simulated_low_phase_steps=low)
+    return out
 
 
 def measure(engine, batch: int, args: argparse.Namespace) -> dict:
@@ -145,8 +183,9 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
     step_s = decode / max(steps, 1)
     wbytes = step_weight_bytes(engine.model, batch * width)
     floor_s = wbytes / H200_BW
+    spec = acceptance_fields(engine, outs) if engine.drafter is not None else {}
     return {
-        "batch_size": batch, "verify_width": width, "accept_length": round(tau, 3),
+        "batch_size": batch, "verify_width": width, "accept_length": round(tau, 3), **spec,
         "mean_output_len": round(statistics.mean(len(o["output_ids"]) for o in outs), 1),
         "prefill_s": round(prefill, 4), "decode_s": round(decode, 4),
         "decode_tok_per_s": round(new_tokens / decode, 2),
@@ -203,6 +242,22 @@ def transformers_decode(model_path: str | None, preset_cfg: dict | None, device:
             "decode_tok_per_s": round(batch / step_s, 2)}
 
 
+def attach_simulation(engine, flags: tuple) -> accept_profile.Simulation | None:
+    """Set the drafter's simulated acceptance from the (profile, length, phases) flags."""
+    profile, length, _ = flags
+    if profile is None and length is None:
+        return None
+    if engine.drafter is None:
+        flag = accept_profile.PROFILE_FLAG if profile is not None else accept_profile.LENGTH_FLAG
+        raise ValueError(f"{flag} needs a draft (--random-draft or --speculative-draft-model-path)")
+    sim = accept_profile.resolve_simulation(*flags, engine.drafter.gamma)
+    p = sim.phases
+    engine.drafter.simulate = SimulatedAcceptance(
+        sim.probs, engine.device, every=p.every if p else 0, low_len=p.length if p else 0,
+        low_scale=p.scale if p else 1.0)
+    return sim
+
+
 def single_input_len(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with ``input_len`` one int: the decode bench takes one prompt length."""
     lens = args.input_len if isinstance(args.input_len, list) else [args.input_len]
@@ -217,24 +272,31 @@ def run(args: argparse.Namespace) -> list[dict]:
     if getattr(args, "breakdown", False):
         raise ValueError("--breakdown splits a prefill: use it with --prefill")
     batches = args.batch_size if isinstance(args.batch_size, list) else [args.batch_size]
-    if args.simulate_accept_length is not None and args.json_schema:
-        raise ValueError("--simulate-accept-length cannot be combined with --json-schema: the "
-                         "simulated proposals and acceptance ignore the grammar")
+    flags = (getattr(args, "simulate_accept_profile", None), args.simulate_accept_length,
+             getattr(args, "simulate_low_accept_phases", None))
+    accept_profile.check_simulation_flags(*flags, args.json_schema)
     engine, label = build_engine(args, max(batches))
-    if args.simulate_accept_length is not None:
-        if engine.drafter is None:
-            raise ValueError("--simulate-accept-length needs a draft (--random-draft or "
-                             "--speculative-draft-model-path)")
-        if not 1.0 <= args.simulate_accept_length <= engine.drafter.width:
-            raise ValueError(f"--simulate-accept-length must be in [1, {engine.drafter.width}] "
-                             f"(the verify width), got {args.simulate_accept_length}")
-        engine.drafter.simulate_accept_length = args.simulate_accept_length
+    try:
+        sim = attach_simulation(engine, flags)
+    except ValueError:
+        engine.shutdown()
+        raise
+    sizes = {}
+    if args.random_draft and args.model_path is None:
+        sizes = draft_presets.draft_sizes(args.random_draft, preset_config(args.preset),
+                                          random_draft_block(args))
     base = {
         "model": label, "device": torch.cuda.get_device_name(engine.device)
         if engine.device.type == "cuda" else "cpu", "dtype": str(engine.dtype).split(".")[-1],
         "input_len": args.input_len, "output_len": args.output_len,
         "speculative": type(engine.drafter.draft).__name__ if engine.drafter else None,
         "simulated_accept_length": args.simulate_accept_length,
+        "simulated_accept_profile": None if sim is None else sim.label,
+        "simulated_profile_accept_length": None if sim is None else round(
+            accept_profile.mean_accept_length(sim.probs, len(sim.probs)), 4),
+        "simulated_low_accept_phases": None if sim is None or sim.phases is None else {
+            "every": sim.phases.every, "len": sim.phases.length, "scale": sim.phases.scale},
+        "random_draft": args.random_draft, **sizes,
         "draft_lm_head": (None if engine.drafter is None else
                           "nvfp4" if engine.drafter.head is not None else "target"),
         "attention_backend": engine.backends.decode,

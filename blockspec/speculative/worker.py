@@ -29,6 +29,7 @@ from blockspec.sampling import Stream, logprobs_of, uniforms
 from blockspec.speculative.accept import verify_block
 from blockspec.speculative.draft_head import make_draft_head
 from blockspec.speculative.draft_loader import load_draft
+from blockspec.speculative.simulated_accept import SimulatedAcceptance
 
 
 class SpecWorker:
@@ -51,7 +52,7 @@ class SpecWorker:
         self.attn = create_backend(draft_backend)
         if not self.attn.supports_cuda_graph:   # a step is one graph: every backend in it must capture
             runner.disable_graphs(f"the draft's attention backend {self.attn.name!r} is eager-only")
-        self.simulate_accept_length: float | None = None   # benchmarks only (see step_fn)
+        self.simulate: SimulatedAcceptance | None = None   # benchmarks only (see _propose)
         # grammar-constrained steps: propose -> verify forward -> masked finish, eagerly: the
         # three phases replayed as graphs made an illegal memory access on the GPU under a
         # sampled batch of 64 with admissions (not yet understood), so they do not capture
@@ -132,9 +133,9 @@ class SpecWorker:
         else:
             drafts, q = base.argmax(-1), None        # argmax drafting: q is a point mass
         u_sim = None
-        if self.simulate_accept_length is not None:   # benchmark mode: one draw per step
-            u_sim = uniforms(inp["seed"], inp["verify_ctr"], Stream.SIMULATE, 1 + self.gamma)
-            drafts = self._simulated_proposals(u_sim[:, 1:], base.shape[-1])
+        if self.simulate is not None:   # benchmark mode: γ acceptance coins, then γ proposals
+            u_sim = uniforms(inp["seed"], inp["verify_ctr"], Stream.SIMULATE, 2 * self.gamma)
+            drafts = self._simulated_proposals(u_sim[:, self.gamma:], base.shape[-1])
         return drafts, q, dmeta, u_sim
 
     def _verify_forward(self, inp: dict[str, torch.Tensor], proposal: tuple):
@@ -164,8 +165,9 @@ class SpecWorker:
         logits = out.logits.view(B, T, -1)
         scored = penalize(logits, inp, drafts) if penalized else logits
         scored = scored if bitmask is None else mask_logits(scored, bitmask)
-        if u_sim is not None:
-            acc, bonus = self._simulated(u_sim[:, 0], scored)
+        if u_sim is not None:      # benchmark mode: the profile decides; bonus = target argmax
+            acc = self.simulate.accepted(u_sim[:, :self.gamma], inp["verify_ctr"])
+            bonus = scored.argmax(-1).gather(1, acc[:, None])[:, 0]
         else:
             u = None
             if not greedy_only:
@@ -204,23 +206,11 @@ class SpecWorker:
     @staticmethod
     def _simulated_proposals(u: torch.Tensor, vocab: int) -> torch.Tensor:
         """Benchmark mode: the block's proposals are uniformly random tokens (``u`` [B, γ]:
-        columns 1..γ of the step's simulation draw), after the draft has run as usual. A
+        columns γ..2γ-1 of the step's simulation draw), after the draft has run as usual. A
         random-weight draft's argmax repeats tokens within a block, so its verify would route
         to fewer MoE experts (and read fewer weights) than a trained draft's distinct tokens;
         random tokens are the conservative stand-in."""
         return (u * vocab).long().clamp_max(vocab - 1)
-
-    def _simulated(self, u: torch.Tensor, logits: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Benchmark mode (sglang's simulated acceptance): a step accepts floor(τ-1) or
-        ceil(τ-1) drafts, mixed so the mean committed length is τ (``u`` [B]: column 0 of the
-        step's simulation draw); the bonus is the target's argmax after them. The output is not
-        the target's: this times steps as if a trained draft were attached."""
-        mean = min(max(self.simulate_accept_length - 1.0, 0.0), float(self.gamma))
-        lo = int(mean)
-        acc = (lo + (u < mean - lo).long()).clamp_max(self.gamma)
-        bonus = logits.argmax(-1).gather(1, acc[:, None])[:, 0]
-        return acc, bonus
 
 
 def build_spec_worker(args: EngineArgs, runner: ModelRunner, draft_backend: str,
