@@ -25,17 +25,21 @@ def test_gaps_are_per_token_and_bounded_by_their_end():
 
 
 def test_long_prefill_shows_in_the_running_streams():
+    """Two decoding-chunk sizes on one engine: a 384-token prompt in 6 chunks of 64 (capped
+    by --chunked-prefill-size) and in 12 of 32, each alternating with the streams' steps."""
     ns = _args(["--itl-under-prefill", "--batch-size", "2", "--input-len", "384",
-                "--output-len", "400", "--chunked-prefill-size", "64", "--device", "cpu",
-                "--dtype", "float32"])
-    row = run(ns)
-    assert row["streams"] == 2 and row["input_len"] == 384 and row["chunked_prefill_size"] == 64
-    assert row["steady_itl"]["n"] >= 2 * 40
-    # 6 chunks alternate with decode steps: each stream sees a gap per chunk
-    assert row["during_prefill_itl"]["n"] >= 2 * 5
-    assert row["long_ttft_s"] > 0
-    assert row["p99_during_over_steady_p50"] == pytest.approx(
-        row["during_prefill_itl"]["p99_ms"] / row["steady_itl"]["p50_ms"])
+                "--output-len", "400", "--chunked-prefill-size", "64",
+                "--decoding-prefill-chunk-size", "128,32", "--device", "cpu", "--dtype", "float32"])
+    rows = run(ns)
+    assert [r["decoding_prefill_chunk_size"] for r in rows] == [64, 32]
+    for r, chunks in zip(rows, (6, 12)):
+        assert r["streams"] == 2 and r["input_len"] == 384 and r["chunked_prefill_size"] == 64
+        assert r["steady_itl"]["n"] >= 2 * 40
+        # each stream decodes a step between every two chunks
+        assert r["during_prefill_itl"]["n"] >= 2 * (chunks - 1)
+        assert r["long_ttft_s"] > 0
+        assert r["p99_during_over_steady_p50"] == pytest.approx(
+            r["during_prefill_itl"]["p99_ms"] / r["steady_itl"]["p50_ms"])
 
 
 @pytest.mark.parametrize("argv, match", [

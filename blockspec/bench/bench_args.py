@@ -90,6 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure the inter-token latency of --batch-size running streams while "
                         "one --input-len prompt prefills (steady and during, p50/p99); "
                         "--output-len must outlast the prefill")
+    p.add_argument("--decoding-prefill-chunk-size", type=_int_list, metavar="N[,N...]",
+                   help="with --itl-under-prefill: the most prompt tokens per prefill forward "
+                        "while the streams decode; a list runs each on the same engine; "
+                        "default: the engine's (512)")
     p.add_argument("--breakdown", action="store_true",
                    help="with --prefill: also split one prefill of each length by layer kind "
                         "(Mamba, attention, MoE, norms, lm_head, engine), as a table and JSON")
