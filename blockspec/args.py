@@ -144,6 +144,12 @@ class EngineArgs:
                                              "(prompt + max_new_tokens each); default: 32768")
     chunked_prefill_size: int = arg(2048, "most prompt tokens per prefill forward")
     page_size: int = arg(16, "tokens per KV cache block")
+    disable_radix_cache: bool = arg(False, "turn the prefix cache off (shared KV pages and Mamba "
+                                           "state checkpoints of earlier prompts and answers)")
+    mamba_track_interval: int = arg(256, "prefix cache: tokens between Mamba state checkpoints "
+                                         "in a prefill (a multiple of --page-size)")
+    mamba_cache_slots: int = arg(0, "prefix cache: Mamba state snapshots kept (each the size of "
+                                    "one request's Mamba state); 0: twice --max-running-requests")
     attention_backend: str | None = arg(None, "attention kernels for every phase; default: auto "
                                               "(the best usable on the device)",
                                         choices=attention_backend_choices)
@@ -210,5 +216,10 @@ class EngineArgs:
         for name in ("max_running_requests", "chunked_prefill_size", "page_size", "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ArgsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.mamba_track_interval < 1 or self.mamba_track_interval % self.page_size:
+            raise ArgsError(f"mamba_track_interval must be a positive multiple of page_size "
+                            f"({self.page_size}), got {self.mamba_track_interval}")
+        if self.mamba_cache_slots < 0:
+            raise ArgsError(f"mamba_cache_slots must be >= 0, got {self.mamba_cache_slots}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ArgsError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")
