@@ -21,6 +21,8 @@ class BlockAllocator:
         self.first = first
         self._free = list(range(first + num_blocks - 1, first - 1, -1))
         self._refs = [0] * (first + num_blocks)
+        self._cached = [False] * (first + num_blocks)   # one of the holders is the prefix cache
+        self.num_idle_cached = 0                        # cached pages no request holds
 
     @property
     def num_free(self) -> int:
@@ -51,7 +53,15 @@ class BlockAllocator:
         for page in pages:
             if self._refs[page] <= 0:
                 raise RuntimeError(f"page {page} is free: it cannot be shared")
+            if self._cached[page] and self._refs[page] == 1:
+                self.num_idle_cached -= 1
             self._refs[page] += 1
+
+    def adopt(self, pages: list[int]) -> None:
+        """The prefix cache becomes a holder of each of ``pages`` (held by a request)."""
+        self.share(pages)
+        for page in pages:
+            self._cached[page] = True
 
     def release(self, table: list[int]) -> None:
         """Drop one hold on each page of ``table`` (emptied); a page nobody holds is free."""
@@ -59,6 +69,11 @@ class BlockAllocator:
             if self._refs[page] <= 0:
                 raise RuntimeError(f"page {page} released more often than it was held")
             self._refs[page] -= 1
-            if self._refs[page] == 0:
+            if self._cached[page] and self._refs[page] == 1:
+                self.num_idle_cached += 1
+            elif self._refs[page] == 0:
+                if self._cached[page]:
+                    self._cached[page] = False
+                    self.num_idle_cached -= 1
                 self._free.append(page)
         table.clear()

@@ -97,7 +97,7 @@ class PrefixCache:
                 if sid is None:
                     return
         path, adopted = self.tree.insert(tokens, pages)
-        self.allocator.share([pages[i] for i in adopted])
+        self.allocator.adopt([pages[i] for i in adopted])
         if path[:len(nodes)] != nodes[:len(path)]:
             raise RuntimeError("a request's cached path is not a prefix of its tokens' path")
         new = path[len(nodes):]
@@ -170,6 +170,8 @@ class PrefixCache:
         for p in range(a.first, a.first + a.num_blocks):
             assert a.refs(p) == holders.get(p, 0), f"page {p}: {a.refs(p)} refs, {holders.get(p, 0)} holders"
         assert a.num_free + len(holders) == a.num_blocks, "free + held pages != capacity"
+        idle = sum(1 for n in self.tree.nodes() if a.refs(n.page) == 1)
+        assert a.num_idle_cached == idle, f"{a.num_idle_cached} idle cached pages counted, {idle} found"
         if self.snapshots is not None:
             named = [n.snapshot for n in self.tree.nodes() if n.snapshot is not None]
             assert len(set(named)) == len(named), "a snapshot is named by two nodes"

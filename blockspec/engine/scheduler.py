@@ -482,6 +482,8 @@ class Scheduler:
         return (p.queried_tokens, p.hit_tokens, p.cached_pages) if p is not None else (0, 0, 0)
 
     def usage(self) -> tuple[int, int, float]:
-        """(queued requests, requests holding cache, fraction of KV pages held)."""
+        """(queued requests, requests holding cache, fraction of KV pages held by requests:
+        pages only the prefix cache holds are free for the taking)."""
         a = self.memory.allocator
-        return len(self.waiting), len(self.prefilling) + len(self.running), 1 - a.num_free / a.num_blocks
+        free = a.num_free + a.num_idle_cached
+        return len(self.waiting), len(self.prefilling) + len(self.running), 1 - free / a.num_blocks
