@@ -144,8 +144,10 @@ class EngineArgs:
                                              "(prompt + max_new_tokens each); default: 32768")
     chunked_prefill_size: int = arg(2048, "most prompt tokens per prefill forward")
     page_size: int = arg(16, "tokens per KV cache block")
-    disable_radix_cache: bool = arg(False, "turn the prefix cache off (shared KV pages and Mamba "
-                                           "state checkpoints of earlier prompts and answers)")
+    enable_radix_cache: bool = arg(False, "turn the prefix cache on: shared KV pages and Mamba "
+                                          "state checkpoints of earlier prompts and answers")
+    disable_radix_cache: bool = arg(False, "keep the prefix cache off (sglang's flag; wins over "
+                                           "--enable-radix-cache)")
     mamba_track_interval: int = arg(256, "prefix cache: tokens between Mamba state checkpoints "
                                          "in a prefill (a multiple of --page-size)")
     mamba_cache_slots: int = arg(0, "prefix cache: Mamba state snapshots kept (each the size of "

@@ -14,7 +14,8 @@ from blockspec import Engine
 from tests.spec_fixtures import draft_config, make_spec_target, write_draft
 
 PAGE, INTERVAL, CHUNK = 4, 16, 12
-KW = dict(device="cpu", page_size=PAGE, mamba_track_interval=INTERVAL, chunked_prefill_size=CHUNK)
+KW = {"device": "cpu", "page_size": PAGE, "mamba_track_interval": INTERVAL,
+      "chunked_prefill_size": CHUNK}
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
 SEEDED = {"max_new_tokens": 10, "temperature": 1.0, "top_k": 8, "seed": 7, "ignore_eos": True}
 
@@ -32,9 +33,10 @@ def spec(tmp_path_factory):
 
 
 def _pair(folder, algo=None, draft=None, **kw):
-    extra = dict(speculative_algorithm=algo, speculative_draft_model_path=str(draft)) if algo else {}
+    extra = ({"speculative_algorithm": algo, "speculative_draft_model_path": str(draft)}
+             if algo else {})
     off = Engine(model_path=str(folder), disable_radix_cache=True, **KW, **extra, **kw)
-    on = Engine(model_path=str(folder), **KW, **extra, **kw)
+    on = Engine(model_path=str(folder), enable_radix_cache=True, **KW, **extra, **kw)
     return off, on
 
 
@@ -52,7 +54,9 @@ def _same(off, on, prompt, params):
 def _scenario(off, on, params, low, high):
     rng = random.Random(1)
     base = [rng.randrange(low, high) for _ in range(48)]
-    tok = lambda: rng.randrange(low, high)      # noqa: E731
+
+    def tok() -> int:
+        return rng.randrange(low, high)
     # p0: checkpoints at 16 (interval) and 28 (its last page boundary); its answer is sealed
     # up to the last page boundary of what it committed (30 + 10 - 1 -> 36)
     r0 = _same(off, on, base[:30], params)
@@ -61,7 +65,9 @@ def _scenario(off, on, params, low, high):
              (base[:22] + [tok(), tok()], 16),   # between checkpoints: rounds down
              (base[:30] + [tok()], 28),          # at p0's end
              (base[:30], 28),                    # p0 again: one token is always prefilled
-             (base[:48], 28)]                    # the rest prefilled over several chunks
+             (base[:48], 28),                    # the rest prefilled over several chunks
+             (base[:48], 44),                    # sent again (page aligned): 44 and 32 are
+             (base[:40] + [tok()], 32)]          # checkpoints of that resumed prefill
     for prompt, cached in cases:
         assert _same(off, on, prompt, params)["meta_info"]["cached_tokens"] == cached
     turn = base[:30]
@@ -112,7 +118,7 @@ def test_prompt_logprobs_bypass_the_lookup(tiny_folder):
     prompt = list(range(3, 40))
     with off, on:
         on.generate(input_ids=prompt, sampling_params=GREEDY)
-        kw = dict(input_ids=prompt, sampling_params=GREEDY, logprob_start_len=0)
+        kw = {"input_ids": prompt, "sampling_params": GREEDY, "logprob_start_len": 0}
         a, b = off.generate(**kw), on.generate(**kw)
         assert b["meta_info"]["cached_tokens"] == 0
         want, got = a["meta_info"]["input_token_logprobs"], b["meta_info"]["input_token_logprobs"]
@@ -120,3 +126,98 @@ def test_prompt_logprobs_bypass_the_lookup(tiny_folder):
         assert [g[1] for g in got] == [w[1] for w in want]
         assert [g[0] for g in got[1:]] == pytest.approx([w[0] for w in want[1:]], abs=1e-5)
         assert on.generate(input_ids=prompt + [5], sampling_params=GREEDY)["meta_info"]["cached_tokens"] == 36
+
+
+def test_stress_tiny_pools_stay_consistent_and_exact(tiny_folder):
+    """1000 requests in batches sharing random prefixes (and some continuing an earlier
+    conversation) on pools so small that pages and snapshots are evicted all the time."""
+    on = Engine(model_path=str(tiny_folder), enable_radix_cache=True, **{**KW, "chunked_prefill_size": 32},
+                max_total_tokens=160, mamba_cache_slots=3, max_running_requests=4)
+    off = Engine(model_path=str(tiny_folder), disable_radix_cache=True, device="cpu",
+                 max_running_requests=32)
+    drops = []
+    real_drop = on.memory.prefix._drop
+    on.memory.prefix._drop = lambda node: (drops.append(node), real_drop(node))
+    rng = random.Random(3)
+    roots = [[rng.randrange(3, 259) for _ in range(24)] for _ in range(6)]
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    history: list[list[int]] = []
+    hits = 0
+    with off, on:
+        for _ in range(40):
+            prompts = []
+            for _ in range(25):
+                if history and rng.random() < 0.3:
+                    prompt = rng.choice(history) + [rng.randrange(3, 259)]
+                else:
+                    prompt = rng.choice(roots)[:rng.randrange(0, 25)]
+                    prompt = prompt + [rng.randrange(3, 259) for _ in range(rng.randrange(1, 9))]
+                prompts.append(prompt[-40:])
+            want = off.generate(input_ids=prompts, sampling_params=params)
+            got = on.generate(input_ids=prompts, sampling_params=params)
+            assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+            hits += sum(g["meta_info"]["cached_tokens"] for g in got)
+            history += [p + g["output_ids"] for p, g in zip(prompts, got) if len(p) < 36]
+        m = on.memory
+        m.prefix.audit([])
+        assert len(m._free_slots) == 4 and on.stats().cache_usage == 0.0
+        assert hits > 0 and m.prefix.hit_tokens == hits and len(drops) > 500
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+@pytest.fixture(scope="module")
+def cached_server(tiny_folder):
+    pytest.importorskip("fastapi")
+    from blockspec.server.launch import ServerThread  # lazy: fastapi may be missing
+
+    engine = Engine(model_path=str(tiny_folder), device="cpu", enable_radix_cache=True)
+    server = ServerThread(engine, served_model_name="tiny")
+    yield server
+    server.stop()
+    engine.shutdown()
+
+
+def test_cache_is_off_by_default(tiny_server):
+    httpx = pytest.importorskip("httpx")
+    server, engine = tiny_server
+    assert engine.memory.prefix is None
+    body = {"model": "tiny", "prompt": "x" * 40, "max_tokens": 2}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for _ in range(2):
+            usage = http.post("/v1/completions", json=body).json()["usage"]
+            assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_cached_tokens_reported_in_usage_meta_info_and_metrics(cached_server):
+    """A server with the cache on (16-token pages): a prompt sent again reports its cached
+    tokens in OpenAI usage (plain and streamed, completions and chat), in /generate's
+    meta_info, and in the Prometheus counters."""
+    httpx = pytest.importorskip("httpx")
+    server = cached_server
+    text = "".join(random.Random(4).choice("abcdefghij") for _ in range(40))
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        before = _metric(http.get("/metrics").text, "blockspec_prefix_cache_hit_tokens_total")
+        body = {"model": "tiny", "prompt": text, "max_tokens": 3, "temperature": 0}
+        first = http.post("/v1/completions", json=body).json()["usage"]
+        again = http.post("/v1/completions", json=body).json()["usage"]
+        n = again["prompt_tokens"]
+        want = (n - 1) // 16 * 16
+        assert want >= 32 and again["prompt_tokens_details"]["cached_tokens"] == want
+        assert first["prompt_tokens_details"]["cached_tokens"] <= want
+        with http.stream("POST", "/v1/completions", json={
+                **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
+        assert '"cached_tokens":%d' % want in lines[-1]
+        gen = http.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 2}})
+        assert gen.json()["meta_info"]["cached_tokens"] == want
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+        http.post("/v1/chat/completions", json=chat)
+        usage = http.post("/v1/chat/completions", json=chat).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == (usage["prompt_tokens"] - 1) // 16 * 16
+        metrics = http.get("/metrics").text
+        assert _metric(metrics, "blockspec_prefix_cache_hit_tokens_total") >= before + 3 * want
+        assert _metric(metrics, "blockspec_prefix_cache_queried_tokens_total") >= 4 * n
+        assert _metric(metrics, "blockspec_prefix_cache_pages") > 0

@@ -128,9 +128,12 @@ def test_chunk_ends_at_the_last_checkpoint_inside_it():
     _, cache = _cache(interval=8)
     assert cache.chunk_end(0, 12, 30) == 8          # a multiple of the interval
     assert cache.chunk_end(0, 30, 30) == 28         # the context's last page boundary
+    assert cache.chunk_end(0, 28, 28) == 24         # ... before its last token
+    assert cache.chunk_end(0, 20, 30) == 16         # the last multiple inside the chunk
     assert cache.chunk_end(28, 30, 30) == 30
     assert cache.chunk_end(8, 12, 30) == 12         # none inside: unchanged
     assert cache.is_checkpoint(28, 30) and cache.is_checkpoint(16, 30)
+    assert cache.is_checkpoint(24, 28) and not cache.is_checkpoint(28, 28)
     assert not cache.is_checkpoint(12, 30) and not cache.is_checkpoint(30, 30)
     with pytest.raises(ValueError, match="multiple of page_size"):
         PrefixCache(BlockAllocator(2, PAGE), _pool(), track_interval=6, snapshot_slots=1)

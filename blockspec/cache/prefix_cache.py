@@ -7,8 +7,9 @@ whose context starts with a cached path resumes at the deepest snapshot on it: i
 path's pages (one more reference each), gets the snapshot copied into its Mamba slot and
 prefills only the rest.
 
-Checkpoints are page boundaries: every multiple of ``track_interval`` a prefill chunk ends at
-(the scheduler ends chunks there, ``chunk_end``) and the last page boundary of the context.
+Checkpoints are page boundaries: the multiple of ``track_interval`` a prefill chunk ends at
+(the scheduler ends a chunk at the last one inside it, ``chunk_end``; a chunk longer than the
+interval skips the ones before) and the last page boundary before the context's last token.
 Pages are evicted least recently used first, leaves only, never while a request uses them.
 """
 from __future__ import annotations
@@ -65,19 +66,25 @@ class PrefixCache:
         self.hit_tokens += hit
 
     # ---- checkpoints -------------------------------------------------------------------------
+    def last_checkpoint(self, total: int) -> int:
+        """The end-of-context checkpoint of a context of ``total`` tokens: the last page
+        boundary before its last token, the deepest point the same context sent again can
+        resume from (a lookup leaves at least one token to prefill)."""
+        return (total - 1) // self.page_size * self.page_size
+
     def chunk_end(self, start: int, end: int, total: int) -> int:
         """Where a prefill chunk [start, end) of a context of ``total`` tokens should end: at
-        the last checkpoint inside it (a multiple of the interval, or the context's last page
-        boundary), so the slot's Mamba state is exactly there after the chunk."""
-        last_page = total // self.page_size * self.page_size
-        if start < last_page <= end:
-            return last_page
+        the last checkpoint inside it (a multiple of the interval, or ``last_checkpoint``), so
+        the slot's Mamba state is exactly there after the chunk."""
+        last = self.last_checkpoint(total)
+        if start < last <= end:
+            return last
         mult = end // self.interval * self.interval
         return mult if mult > start else end
 
     def is_checkpoint(self, pos: int, total: int) -> bool:
         return pos > 0 and pos % self.page_size == 0 and (
-            pos % self.interval == 0 or pos == total // self.page_size * self.page_size)
+            pos % self.interval == 0 or pos == self.last_checkpoint(total))
 
     def insert(self, tokens: list[int], pages: list[int], nodes: list[Node], slot: int) -> None:
         """Cache ``tokens`` (page aligned, held in ``pages``) with request slot ``slot``'s

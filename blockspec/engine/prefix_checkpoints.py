@@ -86,7 +86,8 @@ def seal(runner: ModelRunner, memory: MemoryManager, drafter: object, chunk: int
                 if budget <= 0:
                     break
                 _, toks, pos = job
-                e = p.chunk_end(pos, min(len(toks), pos + budget), len(toks))
+                # the next turn's context is longer than ``toks``: its end is a checkpoint
+                e = p.chunk_end(pos, min(len(toks), pos + budget), len(toks) + 1)
                 batch.append((job, pos, e))
                 budget -= e - pos
             out, rows = runner.extend([j[0].cache.slot for j, _, _ in batch], [s for _, s, _ in batch],
@@ -95,7 +96,7 @@ def seal(runner: ModelRunner, memory: MemoryManager, drafter: object, chunk: int
                 drafter.on_prefill(out.aux_hidden, rows)
             for job, _, e in batch:
                 job[2] = e
-                if p.is_checkpoint(e, len(job[1])):
+                if p.is_checkpoint(e, len(job[1]) + 1):
                     memory.checkpoint(job[0].cache, job[1][:e])
             jobs = [j for j in jobs if j[2] < len(j[1])]
     except Exception:
