@@ -210,7 +210,7 @@ def test_cached_tokens_reported_in_usage_meta_info_and_metrics(cached_server):
         with http.stream("POST", "/v1/completions", json={
                 **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
             lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
-        assert '"cached_tokens":%d' % want in lines[-1]
+        assert f'"cached_tokens":{want}' in lines[-1]
         gen = http.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 2}})
         assert gen.json()["meta_info"]["cached_tokens"] == want
         chat = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
@@ -221,3 +221,48 @@ def test_cached_tokens_reported_in_usage_meta_info_and_metrics(cached_server):
         assert _metric(metrics, "blockspec_prefix_cache_hit_tokens_total") >= before + 3 * want
         assert _metric(metrics, "blockspec_prefix_cache_queried_tokens_total") >= 4 * n
         assert _metric(metrics, "blockspec_prefix_cache_pages") > 0
+
+
+def test_requests_rolled_back_after_a_failed_step_drop_their_shared_pages(tiny_folder):
+    """Innocents resumed from a cached prefix share its pages when a decode step fails mid
+    forward (their Mamba state has moved on): they are rolled back onto fresh pages, computed
+    again from zero, and end with the tokens of an uncached run; the cache stays consistent."""
+    from blockspec.engine.request import Request  # lazy: only this test builds one by hand
+    from blockspec.forward_metadata import Mode  # lazy: only this test injects a failure
+    from blockspec.sampling import SamplingParams  # lazy: as above
+    from tests.polling import wait_until  # lazy: as above
+    from tests.test_fault_isolation import Collect  # lazy: as above
+
+    rng = random.Random(5)
+    base = [rng.randrange(3, 259) for _ in range(20)]
+    prompts = [base + [3 + i] for i in range(3)]
+    params = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+    off, on = _pair(tiny_folder)
+    with off, on:
+        want = [o["output_ids"] for o in off.generate(input_ids=prompts, sampling_params=params)]
+        on.generate(input_ids=base, sampling_params=GREEDY)          # caches base[:16]
+        culprit = Request(rid="bad", prompt_ids=[11, 12, 13], params=SamplingParams(
+            max_new_tokens=30, temperature=0.0, ignore_eos=True))
+        real = type(on.model)._mamba
+
+        def failing(mixer, n, x, meta):
+            out = real(mixer, n, x, meta)
+            slot = culprit.cache.slot
+            if meta.mode == Mode.DECODE and slot >= 0:
+                rows = (meta.req_slots == slot).nonzero().flatten().tolist()
+                if rows and int(meta.positions[rows[0]]) == 7:
+                    raise RuntimeError("injected failure")
+            return out
+
+        on.model._mamba = failing
+        c = Collect()
+        rids = [on.submit(p, SamplingParams.from_dict(params), c.sink(f"ok{i}"), rid=f"ok{i}")
+                for i, p in enumerate(prompts)]
+        wait_until(lambda: all(len(c.ids(r)) >= 3 for r in rids))
+        on._loop.submit(culprit, c.sink("bad"))
+        wait_until(lambda: all(c.done(r) for r in rids + ["bad"]))
+        assert c.reason("bad")["type"] == "error"
+        assert [c.outs[r][-1].meta_info["cached_tokens"] for r in rids] == [16, 16, 16]
+        assert [c.ids(r) for r in rids] == want
+        on.memory.prefix.audit([])
+        assert on.stats().cache_usage == 0.0
