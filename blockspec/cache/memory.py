@@ -132,6 +132,9 @@ class MemoryManager:
         need = max(self.allocator.blocks_for(num_tokens) - shared, 0)
         if need > self.allocator.num_free and self.prefix is not None:
             keep = hit.nodes if hit is not None else []
+            pinned = sum(1 for n in keep if self.allocator.refs(n.page) == 1)
+            if need > self.allocator.num_free + self.prefix.evictable_pages - pinned:
+                return False                    # evicting could not make room: keep the cache
             self.prefix.tree.lock(keep)
             try:
                 self.prefix.evict_pages(need - self.allocator.num_free)

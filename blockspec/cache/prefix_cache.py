@@ -14,6 +14,7 @@ Pages are evicted least recently used first, leaves only, never while a request 
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from blockspec.cache.allocator import BlockAllocator
@@ -49,6 +50,7 @@ class PrefixCache:
         self.interval = track_interval
         self.tree = RadixTree(page)
         self.snapshots = MambaSnapshots(mamba, snapshot_slots) if mamba is not None else None
+        self._snapped: set[Node] = set()             # nodes carrying a snapshot
         self.queried_tokens = 0          # context tokens looked up at admission
         self.hit_tokens = 0              # of those, resumed from the cache
 
@@ -112,6 +114,7 @@ class PrefixCache:
         nodes.extend(new)
         if sid is not None:
             path[-1].snapshot = sid
+            self._snapped.add(path[-1])
 
     def release(self, nodes: list[Node]) -> None:
         """A request stops using ``nodes`` (emptied)."""
@@ -122,27 +125,45 @@ class PrefixCache:
 
     # ---- eviction ----------------------------------------------------------------------------
     def evict_pages(self, want: int) -> None:
-        """Free up to ``want`` pages by dropping unused leaves, least recently used first."""
+        """Free up to ``want`` pages by dropping unused leaves, least recently used first (a
+        parent left a leaf joins the candidates)."""
         goal = self.allocator.num_free + want
-        while self.allocator.num_free < goal:
-            leaf = self.tree.lru_leaf()
-            if leaf is None:
-                return
+        heap = [(n.last_use, id(n), n) for n in self.tree.unused_leaves()]
+        heapq.heapify(heap)
+        while heap and self.allocator.num_free < goal:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
             self._drop(leaf)
+            if parent.parent is not None and parent.is_leaf and parent.refs == 0:
+                heapq.heappush(heap, (parent.last_use, id(parent), parent))
+
+    @property
+    def evictable_pages(self) -> int:
+        """Pages only the cache holds: every one can be evicted (a node no request uses has
+        no used node below it)."""
+        return self.allocator.num_idle_cached
 
     def _drop(self, node: Node) -> None:
         self.tree.remove(node)
+        self._unsnap(node)
+        self.allocator.release([node.page])
+
+    def _unsnap(self, node: Node) -> None:
         if node.snapshot is not None:
             self.snapshots.free(node.snapshot)
             node.snapshot = None
-        self.allocator.release([node.page])
+            self._snapped.discard(node)
 
     def _evict_snapshot(self) -> bool:
-        node = self.tree.lru_snapshot()
-        if node is None:
+        """Free the least recently used snapshot no request needs: first those of unused
+        nodes, then those inside a running request's path (only the deepest one on it may be
+        resumed from; losing it costs that request's finish-time checkpoint, nothing else)."""
+        unused = [n for n in self._snapped if n.refs == 0]
+        pool = unused or [n for n in self._snapped if n.children]
+        if not pool:
             return False
-        self.snapshots.free(node.snapshot)
-        node.snapshot = None
+        node = min(pool, key=lambda n: n.last_use)
+        self._unsnap(node)
         self._prune(node)
         return True
 

@@ -99,18 +99,6 @@ class RadixTree:
         del node.parent.children[node.key]
         self._nodes.discard(node)
 
-    def lru_leaf(self) -> Node | None:
-        """The least recently used leaf that no request uses."""
-        best = None
-        for n in self._nodes:
-            if n.is_leaf and n.refs == 0 and (best is None or n.last_use < best.last_use):
-                best = n
-        return best
-
-    def lru_snapshot(self) -> Node | None:
-        """The least recently used node with a snapshot that no request uses."""
-        best = None
-        for n in self._nodes:
-            if n.snapshot is not None and n.refs == 0 and (best is None or n.last_use < best.last_use):
-                best = n
-        return best
+    def unused_leaves(self) -> list[Node]:
+        """Leaves no request uses (eviction candidates)."""
+        return [n for n in self._nodes if n.is_leaf and n.refs == 0]
