@@ -271,3 +271,54 @@ def test_requests_rolled_back_after_a_failed_step_drop_their_shared_pages(tiny_f
         assert [c.ids(r) for r in rids] == want
         on.memory.prefix.audit([])
         assert on.stats().cache_usage == 0.0
+
+
+def test_preempted_requests_resume_from_their_own_checkpoints(tiny_folder):
+    """A small client request cuts in: the big one's latest admitted request is preempted,
+    releases its pages and, admitted again, resumes from the checkpoints it left; every output
+    is the uncached one and the pools end consistent."""
+    from blockspec.sampling import SamplingParams  # lazy: only this test submits by hand
+    from tests.polling import wait_until  # lazy: as above
+    from tests.test_fault_isolation import Collect  # lazy: as above
+
+    rng = random.Random(6)
+    base = [rng.randrange(3, 259) for _ in range(24)]
+    big = [base + [rng.randrange(3, 259) for _ in range(6)] for _ in range(4)]
+    small = [rng.randrange(3, 259) for _ in range(10)]
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    off, on = _pair(tiny_folder, max_running_requests=2, mamba_cache_slots=16)
+    with off, on:
+        want = [o["output_ids"] for o in off.generate(input_ids=big + [small], sampling_params=params)]
+        preempted = []
+        real = on.scheduler._preempt_for
+
+        def counting_preempt(req):
+            done = real(req)
+            if done:
+                preempted.append(req.rid)
+            return done
+
+        on.scheduler._preempt_for = counting_preempt
+        resumed = []                                 # admissions after a preemption: hits
+        admit = on.memory.admit
+
+        def counting_admit(need, hit=None):
+            res = admit(need, hit)
+            if preempted:
+                resumed.append(res.cached)
+            return res
+
+        on.memory.admit = counting_admit
+        c = Collect()
+        sp = SamplingParams.from_dict(params)
+        with on._loop.grouped():
+            for i, ids in enumerate(big):
+                on.submit(ids, sp, c.sink(f"big{i}"), rid=f"big{i}", group="big")
+        wait_until(lambda: on.stats().running == 2 and all(len(c.ids(f"big{i}")) >= 4 for i in range(2)))
+        on.submit(small, sp, c.sink("small"), rid="small", group="small")
+        rids = [f"big{i}" for i in range(4)] + ["small"]
+        wait_until(lambda: all(c.done(r) for r in rids), timeout=120)
+        assert preempted == ["small"]
+        assert [c.ids(r) for r in rids] == want
+        on.memory.prefix.audit([])
+        assert max(resumed) >= 28                  # the victim's own prompt-end checkpoint

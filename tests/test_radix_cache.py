@@ -137,3 +137,22 @@ def test_chunk_ends_at_the_last_checkpoint_inside_it():
     assert not cache.is_checkpoint(12, 30) and not cache.is_checkpoint(30, 30)
     with pytest.raises(ValueError, match="multiple of page_size"):
         PrefixCache(BlockAllocator(2, PAGE), _pool(), track_interval=6, snapshot_slots=1)
+
+
+def test_a_running_requests_inner_snapshots_give_way_but_not_its_deepest():
+    a, cache = _cache(pages=8, snaps=2)
+    toks = [1] * 8
+    pages, nodes = [], []
+    a.grow(pages, 8)
+    cache.insert(toks[:4], pages, nodes, 0)
+    cache.insert(toks, pages, nodes, 0)             # both snapshots used by this request
+    other = [2] * 4
+    _insert(a, cache, other)                        # the inner one (depth 4) gives way
+    assert [n.snapshot is not None for n in nodes] == [False, True]
+    assert cache.lookup(other + [0], 4).length == 4
+    cache.audit([pages])
+    _insert(a, cache, [3] * 4)                      # now [2]'s, unused, goes: never depth 8's
+    assert nodes[-1].snapshot is not None and cache.lookup(other + [0], 4).length == 0
+    cache.release(nodes)
+    a.release(pages)
+    cache.audit([])
