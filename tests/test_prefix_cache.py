@@ -322,3 +322,25 @@ def test_preempted_requests_resume_from_their_own_checkpoints(tiny_folder):
         assert [c.ids(r) for r in rids] == want
         on.memory.prefix.audit([])
         assert max(resumed) >= 28                  # the victim's own prompt-end checkpoint
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", [None, "dflash", "dspark"])
+def test_gpu_cached_answers_are_the_uncached_ones(tiny_folder, kind):
+    """The same scenario on CUDA (Triton kernels, CUDA graphs), fp32."""
+    import torch  # lazy: only the GPU test needs it here
+
+    from blockspec.bench.presets import build_draft, preset_config  # lazy: GPU test only
+
+    target = Engine(model_path=str(tiny_folder), device="cuda", dtype="float32",
+                    disable_radix_cache=True)
+    draft = (build_draft(kind, preset_config("tiny"), 4, torch.device("cuda"), torch.float32)
+             if kind else None)
+    kw = {k: v for k, v in KW.items() if k != "device"}
+    with target:
+        for params in (GREEDY, SEEDED):
+            off = Engine.from_model(target.model, draft=draft, **kw)
+            on = Engine.from_model(target.model, draft=draft, enable_radix_cache=True, **kw)
+            with off, on:
+                _scenario(off, on, params, 3, 259)
