@@ -218,7 +218,9 @@ class EngineArgs:
         for name in ("max_running_requests", "chunked_prefill_size", "page_size", "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ArgsError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.mamba_track_interval < 1 or self.mamba_track_interval % self.page_size:
+        prefix_cache = self.enable_radix_cache and not self.disable_radix_cache
+        if prefix_cache and (self.mamba_track_interval < 1
+                             or self.mamba_track_interval % self.page_size):
             raise ArgsError(f"mamba_track_interval must be a positive multiple of page_size "
                             f"({self.page_size}), got {self.mamba_track_interval}")
         if self.mamba_cache_slots < 0:

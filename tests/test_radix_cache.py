@@ -156,3 +156,13 @@ def test_a_running_requests_inner_snapshots_give_way_but_not_its_deepest():
     cache.release(nodes)
     a.release(pages)
     cache.audit([])
+
+
+def test_track_interval_is_checked_only_with_the_cache_on():
+    from blockspec.args import ArgsError, EngineArgs  # lazy: the rest of the file is cache/ only
+
+    EngineArgs.from_kwargs(page_size=48)                    # 256 is no multiple: cache off
+    with pytest.raises(ArgsError, match="mamba_track_interval"):
+        EngineArgs.from_kwargs(page_size=48, enable_radix_cache=True)
+    with pytest.raises(ArgsError, match="mamba_cache_slots"):
+        EngineArgs.from_kwargs(mamba_cache_slots=-1)
