@@ -145,11 +145,12 @@ def test_stress_tiny_pools_stay_consistent_and_exact(tiny_folder, spec, algo, ba
     on.memory.prefix._drop = lambda node: (drops.append(node), real_drop(node))
     rng = random.Random(3)
     roots = [[rng.randrange(3, vocab) for _ in range(24)] for _ in range(6)]
-    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
     history: list[list[int]] = []
     hits = 0
     with off, on:
-        for _ in range(batches):
+        for b in range(batches):
+            params = ({"max_new_tokens": 3, "temperature": 0, "ignore_eos": True} if b % 2 else
+                      {"max_new_tokens": 3, "temperature": 1.0, "seed": b, "ignore_eos": True})
             prompts = []
             for _ in range(25):
                 if history and rng.random() < 0.3:
@@ -163,6 +164,7 @@ def test_stress_tiny_pools_stay_consistent_and_exact(tiny_folder, spec, algo, ba
             assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
             hits += sum(g["meta_info"]["cached_tokens"] for g in got)
             history += [p + g["output_ids"] for p, g in zip(prompts, got) if len(p) < 36]
+            on.memory.prefix.audit([])          # between calls nothing is running
         m = on.memory
         m.prefix.audit([])
         assert len(m._free_slots) == 4 and on.stats().cache_usage == 0.0
