@@ -11,6 +11,10 @@ works. A request that finishes is therefore computed one step too far; that step
 it are dropped (its reservation covers the extra positions, ``STEPS_IN_FLIGHT``), and a changed
 batch (a finish, an admission, an abort) waits for the step in flight before it is filled anew.
 
+With the prefix cache on (engine/prefix_checkpoints.py) admission resumes a request at its
+cached prefix, prefill chunks end at Mamba checkpoints, and finished requests leave what they
+committed in the cache.
+
 A step that raises hurts only the request that made it fail (``recover``). Every step records
 the requests it touches and their committed host state (``Mark``); after a failure those
 suspects are rolled back to it and computed again from their tokens (a prefill of prompt +
@@ -423,7 +427,8 @@ class Scheduler:
 
     def _recompute(self, req: Request, mark: Mark) -> None:
         """Back to ``mark``, its cache state to be computed again by a prefill of its tokens.
-        It keeps its reservation (same slot, same pages) when it still has one."""
+        It keeps its reservation (same slot, same pages) when it still has one, but for pages
+        shared through the prefix cache: those it gives up for fresh ones."""
         req.roll_back(mark)
         for queue in (self.prefilling, self.running):
             if req in queue:
