@@ -99,5 +99,5 @@ def seal(runner: ModelRunner, memory: MemoryManager, drafter: object, chunk: int
                 if p.is_checkpoint(e, len(job[1]) + 1):
                     memory.checkpoint(job[0].cache, job[1][:e])
             jobs = [j for j in jobs if j[2] < len(j[1])]
-    except Exception:
+    except Exception:       # the requests are done: only their cache entries are lost
         log.exception("caching finished requests' prefixes failed")
