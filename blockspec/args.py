@@ -148,6 +148,14 @@ class EngineArgs:
              "forward runs between two of their steps and delays each stream by its time "
              "(capped by --chunked-prefill-size)")
     page_size: int = arg(16, "tokens per KV cache block")
+    enable_radix_cache: bool = arg(False, "turn the prefix cache on: shared KV pages and Mamba "
+                                          "state checkpoints of earlier prompts and answers")
+    disable_radix_cache: bool = arg(False, "keep the prefix cache off (sglang's flag; wins over "
+                                           "--enable-radix-cache)")
+    mamba_track_interval: int = arg(256, "prefix cache: tokens between Mamba state checkpoints "
+                                         "in a prefill (a multiple of --page-size)")
+    mamba_cache_slots: int = arg(0, "prefix cache: Mamba state snapshots kept (each the size of "
+                                    "one request's Mamba state); 0: twice --max-running-requests")
     attention_backend: str | None = arg(None, "attention kernels for every phase; default: auto "
                                               "(the best usable on the device)",
                                         choices=attention_backend_choices)
@@ -215,5 +223,12 @@ class EngineArgs:
                      "page_size", "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ArgsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        prefix_cache = self.enable_radix_cache and not self.disable_radix_cache
+        if prefix_cache and (self.mamba_track_interval < 1
+                             or self.mamba_track_interval % self.page_size):
+            raise ArgsError(f"mamba_track_interval must be a positive multiple of page_size "
+                            f"({self.page_size}), got {self.mamba_track_interval}")
+        if self.mamba_cache_slots < 0:
+            raise ArgsError(f"mamba_cache_slots must be >= 0, got {self.mamba_cache_slots}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
             raise ArgsError(f"max_total_tokens must be >= 1, got {self.max_total_tokens}")

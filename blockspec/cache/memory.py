@@ -8,6 +8,10 @@ discarding rejected rows is just a shorter length: nothing is copied.
 
 The last request slot and the first pages are a *dummy* request: CUDA-graph batches are
 padded to a captured size with rows that read and write only the dummy's cache.
+
+With the prefix cache on (``prefix_cache.py``) a reservation may start with pages it shares
+with the cache and other requests; admission counts them as held, asks the cache to evict
+unused pages before it refuses, and a release drops the request's references.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import torch
 from blockspec.cache.allocator import BlockAllocator
 from blockspec.cache.kv_pool import KVPool
 from blockspec.cache.mamba_pool import MambaStatePool
-
+from blockspec.cache.prefix_cache import Hit, PrefixCache
+from blockspec.cache.radix_cache import Node
 
 # steps the scheduler keeps launched ahead of the one it reads back (engine/scheduler.py)
 STEPS_IN_FLIGHT = 2
@@ -46,6 +51,8 @@ class Reservation:
 
     slot: int = -1
     pages: list[int] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)     # prefix cache path it uses (page order)
+    cached: int = 0                                     # tokens resumed from the prefix cache
 
 
 class MemoryManager:
@@ -53,7 +60,8 @@ class MemoryManager:
 
     def __init__(self, layout: CacheLayout, *, max_total_tokens: int, max_requests: int,
                  page_size: int, dtype: torch.dtype, device: torch.device,
-                 dummy_tokens: int = 64) -> None:
+                 dummy_tokens: int = 64, prefix_cache: bool = False,
+                 mamba_track_interval: int = 256, mamba_cache_slots: int = 0) -> None:
         self.page_size = page_size
         self.max_requests = max_requests
         self.device = device
@@ -77,6 +85,10 @@ class MemoryManager:
                                      groups=layout.mamba_groups)
                       if layout.num_mamba_layers else None)
         self.draft_kv: KVPool | None = None
+        # snapshot slots default to twice the running requests' Mamba state
+        self.prefix = (PrefixCache(self.allocator, self.mamba, track_interval=mamba_track_interval,
+                                   snapshot_slots=mamba_cache_slots or 2 * max_requests)
+                       if prefix_cache else None)
         self.set_step_width(1)
 
     # ---- pools a drafter adds ----------------------------------------------------------------
@@ -106,24 +118,64 @@ class MemoryManager:
     def needed_tokens(self, prompt_len: int, max_new_tokens: int) -> int:
         return prompt_len + max_new_tokens + self.lookahead
 
-    def can_admit(self, num_tokens: int) -> bool:
-        return bool(self._free_slots) and self.allocator.blocks_for(num_tokens) <= self.allocator.num_free
+    def lookup(self, tokens: list[int]) -> Hit | None:
+        """The cached prefix a request with context ``tokens`` resumes from: at most
+        len - 1 tokens, so its prefill computes the last position (None: cache off)."""
+        return self.prefix.lookup(tokens, len(tokens) - 1) if self.prefix is not None else None
 
-    def admit(self, num_tokens: int) -> Reservation:
-        """Reserve a slot and pages for ``num_tokens`` positions and publish the pages in the
+    def can_admit(self, num_tokens: int, hit: Hit | None = None) -> bool:
+        """Room for a slot and ``num_tokens`` positions, ``hit``'s pages counted as held; the
+        prefix cache evicts unused pages (never ``hit``'s) before the answer is no."""
+        if not self._free_slots:
+            return False
+        shared = len(hit.nodes) if hit is not None else 0
+        need = max(self.allocator.blocks_for(num_tokens) - shared, 0)
+        if need > self.allocator.num_free and self.prefix is not None:
+            keep = hit.nodes if hit is not None else []
+            pinned = sum(1 for n in keep if self.allocator.refs(n.page) == 1)
+            if need > self.allocator.num_free + self.prefix.evictable_pages - pinned:
+                return False                    # evicting could not make room: keep the cache
+            self.prefix.tree.lock(keep)
+            try:
+                self.prefix.evict_pages(need - self.allocator.num_free)
+            finally:
+                self.prefix.tree.unlock(keep)
+        return need <= self.allocator.num_free
+
+    def admit(self, num_tokens: int, hit: Hit | None = None) -> Reservation:
+        """Reserve a slot and pages for ``num_tokens`` positions (the first ones ``hit``'s,
+        shared, its snapshot copied into the slot's Mamba state) and publish the pages in the
         device block table (one small copy per admission, never per step)."""
-        if not self.can_admit(num_tokens):
+        if not self.can_admit(num_tokens, hit):
             raise RuntimeError("admit called without capacity")
         res = Reservation(slot=self._free_slots.pop())
+        if hit is not None and hit.nodes:
+            res.pages = hit.pages
+            self.allocator.share(res.pages)
+            res.nodes = list(hit.nodes)
+            self.prefix.tree.lock(res.nodes)
+            res.cached = hit.length
         self.allocator.grow(res.pages, num_tokens)
         row = torch.tensor(res.pages, dtype=torch.int32)
         self.block_table[res.slot, : len(res.pages)].copy_(row, non_blocking=False)
         if self.mamba is not None:
-            self.mamba.reset(res.slot)
+            if hit is not None and hit.snapshot is not None:
+                self.prefix.snapshots.restore(hit.snapshot, res.slot)
+            else:
+                self.mamba.reset(res.slot)
         return res
 
+    def checkpoint(self, res: Reservation, tokens: list[int]) -> None:
+        """``tokens`` (page aligned) are committed in ``res`` and its slot's Mamba state is
+        the state after them: cache them (a no-op with the cache off)."""
+        if self.prefix is not None:
+            self.prefix.insert(tokens, res.pages, res.nodes, res.slot)
+
     def release(self, res: Reservation) -> None:
+        if self.prefix is not None:
+            self.prefix.release(res.nodes)
         self.allocator.release(res.pages)
+        res.cached = 0
         if res.slot >= 0:
             self._free_slots.append(res.slot)
             res.slot = -1

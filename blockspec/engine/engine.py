@@ -200,7 +200,8 @@ class Engine:
         self.memory = MemoryManager(
             cache_layout(config), max_total_tokens=args.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS,
             max_requests=args.max_running_requests, page_size=args.page_size, dtype=self.dtype,
-            device=self.device)
+            device=self.device, prefix_cache=args.enable_radix_cache and not args.disable_radix_cache,
+            mamba_track_interval=args.mamba_track_interval, mamba_cache_slots=args.mamba_cache_slots)
         self.runner = ModelRunner(model, self.memory, self.backends, RunnerOptions(
             max_batch_size=args.max_running_requests, use_cuda_graph=not args.disable_cuda_graph,
             cuda_graph_max_bs=args.cuda_graph_max_bs))

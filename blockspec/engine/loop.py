@@ -65,6 +65,9 @@ class LoopStats:
     waiting: int = 0            # submitted, holding no cache yet
     running: int = 0            # holding cache: prefilling or decoding
     cache_usage: float = 0.0    # fraction of KV blocks held
+    prefix_queried: int = 0     # prefix cache: prompt tokens looked up at admission,
+    prefix_hits: int = 0        # of those resumed from the cache,
+    prefix_pages: int = 0       # and the pages it holds now
     steps: int = 0              # forward steps run so far
     alive: bool = True
 
@@ -200,8 +203,10 @@ class EngineLoop:
         waiting, running, usage = self._sched.usage()
         with self._cv:
             inbox = sum(1 for c in self._inbox if c[0] == "add")
+        queried, hits, pages = self._sched.prefix_usage()
         self.stats = LoopStats(waiting=waiting + inbox, running=running, cache_usage=usage,
-                               steps=self._steps, alive=alive)
+                               steps=self._steps, alive=alive, prefix_queried=queried,
+                               prefix_hits=hits, prefix_pages=pages)
         outbox, self._outbox = self._outbox, []
         for live, out in outbox:
             try:

@@ -42,6 +42,7 @@ class Request:
     prompt_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     cache: Reservation = field(default_factory=Reservation)
     num_cached: int = 0                   # tokens whose KV / Mamba state are committed
+    cached_tokens: int | None = None      # prompt tokens resumed from the prefix cache
     finish_reason: dict | None = None
     text: str = ""
     # speculative decoding statistics
@@ -85,7 +86,8 @@ class Request:
 
     def meta_info(self, speculative: bool) -> dict:
         info = {"id": self.rid, "prompt_tokens": len(self.prompt_ids),
-                "completion_tokens": len(self.output_ids), "finish_reason": self.finish_reason}
+                "completion_tokens": len(self.output_ids), "finish_reason": self.finish_reason,
+                "cached_tokens": self.cached_tokens or 0}
         if self.finished_time is not None:
             # seconds from generate() to the finish (sglang: e2e_latency) and to the first
             # token; output_throughput = completion tokens per second of e2e_latency

@@ -11,6 +11,10 @@ works. A request that finishes is therefore computed one step too far; that step
 it are dropped (its reservation covers the extra positions, ``STEPS_IN_FLIGHT``), and a changed
 batch (a finish, an admission, an abort) waits for the step in flight before it is filled anew.
 
+With the prefix cache on (engine/prefix_checkpoints.py) admission resumes a request at its
+cached prefix, prefill chunks end at Mamba checkpoints, and finished requests leave what they
+committed in the cache.
+
 A step that raises hurts only the request that made it fail (``recover``). Every step records
 the requests it touches and their committed host state (``Mark``); after a failure those
 suspects are rolled back to it and computed again from their tokens (a prefill of prompt +
@@ -36,6 +40,7 @@ from torch.profiler import record_function
 
 from blockspec.cache import MemoryManager
 from blockspec.engine.fair_queue import FairQueue, group_of
+from blockspec.engine.prefix_checkpoints import admitted, after_chunks, chunk_end, hit_for, seal
 from blockspec.engine.prompt_logprobs import logits_rows, record
 from blockspec.engine.request import Mark, Request
 from blockspec.engine.stop import append_tokens
@@ -160,25 +165,30 @@ class Scheduler:
         holds more than its share if it holds less (``_preempt_for``)."""
         m = self.memory
 
-        def room(need: int) -> bool:
-            return len(self.prefilling) + len(self.running) < m.max_requests and m.can_admit(need)
+        hit = None
 
-        admitted = True
-        while admitted and self.waiting:
-            admitted = False
+        def room(req: Request, need: int) -> bool:
+            nonlocal hit
+            hit = hit_for(m, req)               # looked up again: a preemption may change it
+            return len(self.prefilling) + len(self.running) < m.max_requests and m.can_admit(need, hit)
+
+        progress = True
+        while progress and self.waiting:
+            progress = False
             for req in self.waiting.heads():
                 need = m.needed_tokens(len(req.prompt_ids), req.params.max_new_tokens)
-                while not room(need) and self._preempt_for(req):
+                while not room(req, need) and self._preempt_for(req):
                     pass
-                if not room(need):
+                if not room(req, need):
                     continue
                 self._touch([req])              # should admission itself fail, it is the culprit
-                req.cache = m.admit(need)
+                req.cache = m.admit(need, hit)
+                admitted(m, req, hit)           # resumes at the cached prefix, if any
                 self._touched.remove(req)
                 del self._marks[id(req)]
                 self.waiting.take(req)
                 self.prefilling.append(req)
-                admitted = True
+                progress = True
                 break                           # the turn order has changed: look again
 
     def _preempt_for(self, req: Request) -> bool:
@@ -210,9 +220,11 @@ class Scheduler:
         for req in prefilling:
             if budget <= 0:
                 break
-            n = min(len(req.context_ids) - req.num_cached, budget)
-            chunks.append((req, req.num_cached, req.num_cached + n))
-            budget -= n
+            total = len(req.context_ids)
+            # a chunk ends at a prefix cache checkpoint inside it (its Mamba state is saved)
+            e = chunk_end(self.memory, req.num_cached, min(total, req.num_cached + budget), total)
+            chunks.append((req, req.num_cached, e))
+            budget -= e - req.num_cached
         self._touch([r for r, _, _ in chunks])
         wanted, last, where = logits_rows(chunks)
         out, rows = self.runner.extend([r.cache.slot for r, _, _ in chunks], [s for _, s, _ in chunks],
@@ -220,6 +232,7 @@ class Scheduler:
         record(chunks, where, out.logits)
         for req, _, e in chunks:
             req.num_cached = e
+        after_chunks(self.memory, chunks)
         if self.drafter is not None:
             self.drafter.on_prefill(out.aux_hidden, rows)
         done_rows = [i for i, (req, _, _) in enumerate(chunks) if req.prefilled]
@@ -341,6 +354,9 @@ class Scheduler:
             req.finished_time = time.perf_counter()
             if req in self.running:
                 self.running.remove(req)
+        # what they committed stays in the prefix cache for the next turn
+        seal(self.runner, self.memory, self.drafter, self.chunk, finished)
+        for req in finished:
             self.memory.release(req.cache)
             stopped_on_string = isinstance((req.finish_reason or {}).get("matched"), str)
             if self.detokenize is not None and not stopped_on_string:
@@ -416,11 +432,18 @@ class Scheduler:
 
     def _recompute(self, req: Request, mark: Mark) -> None:
         """Back to ``mark``, its cache state to be computed again by a prefill of its tokens.
-        It keeps its reservation (same slot, same pages) when it still has one."""
+        It keeps its reservation (same slot, same pages) when it still has one, but for pages
+        shared through the prefix cache: those it gives up for fresh ones."""
         req.roll_back(mark)
         for queue in (self.prefilling, self.running):
             if req in queue:
                 queue.remove(req)
+        if req.cache.slot >= 0 and req.cache.nodes:
+            # it drops its prefix cache pages (others may read them) for fresh ones, or waits
+            need = self.memory.needed_tokens(len(req.prompt_ids), req.params.max_new_tokens)
+            self.memory.release(req.cache)
+            if self.memory.can_admit(need):
+                req.cache = self.memory.admit(need)
         if req.cache.slot >= 0:
             if self.memory.mamba is not None:
                 self.memory.mamba.reset(req.cache.slot)
@@ -462,7 +485,15 @@ class Scheduler:
                 return req
         return None
 
+    def prefix_usage(self) -> tuple[int, int, int]:
+        """Prefix cache: (prompt tokens looked up, of those resumed, pages cached); zeros
+        with the cache off."""
+        p = self.memory.prefix
+        return (p.queried_tokens, p.hit_tokens, p.cached_pages) if p is not None else (0, 0, 0)
+
     def usage(self) -> tuple[int, int, float]:
-        """(queued requests, requests holding cache, fraction of KV pages held)."""
+        """(queued requests, requests holding cache, fraction of KV pages held by requests:
+        pages only the prefix cache holds are free for the taking)."""
         a = self.memory.allocator
-        return len(self.waiting), len(self.prefilling) + len(self.running), 1 - a.num_free / a.num_blocks
+        free = a.num_free + a.num_idle_cached
+        return len(self.waiting), len(self.prefilling) + len(self.running), 1 - free / a.num_blocks

@@ -167,7 +167,8 @@ def create_app(engine: Any, *, served_model_name: str, api_key: str | None = Non
     def usage_of(choices: list[Choice], n: int) -> dict:
         prompt = sum(c.meta.get("prompt_tokens", 0) for c in choices[::n])    # once per prompt
         completion = sum(len(c.ids) for c in choices)
-        return usage(prompt, completion, spec_totals(choices))
+        cached = sum(c.meta.get("cached_tokens", 0) for c in choices[::n])
+        return usage(prompt, completion, spec_totals(choices), cached)
 
     def chunk_usage(prep: Prepared, body: Any) -> Callable[[int, Choice], dict]:
         """stream_options.continuous_usage_stats: every chunk carries choice i's usage so far;

@@ -50,6 +50,14 @@ class Metrics:
                              "decode)", registry=r)
         self.cache_usage = Gauge("blockspec_cache_usage", "fraction of KV cache blocks held",
                                  registry=r)
+        # the engine counts; each scrape adds what it counted since the last one
+        self.prefix_queried = Counter("blockspec_prefix_cache_queried_tokens", "prompt tokens "
+                                      "looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("blockspec_prefix_cache_hit_tokens", "prompt tokens resumed "
+                                   "from the prefix cache", registry=r)
+        self._prefix_seen = (0, 0)
+        self.prefix_pages = Gauge("blockspec_prefix_cache_pages", "KV pages the prefix cache "
+                                  "holds", registry=r)
         self.steps = Gauge("blockspec_engine_steps", "forward steps the engine loop has run",
                            registry=r)
         self.ttft = Histogram("blockspec_time_to_first_token_seconds", "submission to first "
@@ -104,4 +112,9 @@ class Metrics:
         self.running.set(stats.running)
         self.cache_usage.set(stats.cache_usage)
         self.steps.set(stats.steps)
+        queried, hits = self._prefix_seen
+        self.prefix_queried.inc(max(stats.prefix_queried - queried, 0))
+        self.prefix_hits.inc(max(stats.prefix_hits - hits, 0))
+        self._prefix_seen = (max(stats.prefix_queried, queried), max(stats.prefix_hits, hits))
+        self.prefix_pages.set(stats.prefix_pages)
         return generate_latest(self.registry)

@@ -287,11 +287,15 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, spec: tuple[int, int] | None) -> dict:
-    """OpenAI usage; with speculation also the verify count and the mean tokens committed per
-    verify (``spec`` = (verifies, committed tokens))."""
+def usage(prompt_tokens: int, completion_tokens: int, spec: tuple[int, int] | None,
+          cached_tokens: int | None = None) -> dict:
+    """OpenAI usage (``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache
+    held, when known); with speculation also the verify count and the mean tokens committed
+    per verify (``spec`` = (verifies, committed tokens))."""
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     if spec is not None:
         verifies, committed = spec
         out["spec_verify_ct"] = verifies
