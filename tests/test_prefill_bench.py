@@ -179,3 +179,16 @@ def test_flags_and_refusals():
         run(_args(["--prefill", "--random-draft", "dflash", "--device", "cpu"]))
     with pytest.raises(ValueError, match="batch 1"):
         run(_args(["--prefill", "--batch-size", "2", "--device", "cpu"]))
+
+
+def test_chunk_sizes_run_on_one_engine():
+    """A list of chunk sizes: every length at every size, each row naming its size (80 tokens
+    in two forwards of 40, then one of 80); the decode benchmark takes one size."""
+    ns = _args(["--prefill", "--input-len", "80", "--chunked-prefill-size", "40,80",
+                "--breakdown", "--repeats", "1", "--device", "cpu", "--dtype", "float32"])
+    rows = run(ns)
+    parts = [r for r in rows if r["bench"] == "prefill_breakdown"]
+    assert [(r["chunked_prefill_size"], r["forwards"]) for r in parts] == [(40, 2), (80, 1)]
+    assert [r["chunked_prefill_size"] for r in rows if r["bench"] == "prefill"] == [40, 80]
+    with pytest.raises(ValueError, match="one size"):
+        decode_run(_args(["--chunked-prefill-size", "40,80", "--device", "cpu"]))

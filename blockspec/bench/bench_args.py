@@ -80,8 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-transformers", action="store_true",
                    help="also time transformers' NemotronHForCausalLM on the same shapes and prompts "
                         "(bf16 only) and report the ratio")
-    p.add_argument("--chunked-prefill-size", type=int,
-                   help="most prompt tokens per prefill forward; default: the engine's (2048)")
+    p.add_argument("--chunked-prefill-size", type=_int_list, metavar="N[,N...]",
+                   help="most prompt tokens per prefill forward; a list only with --prefill "
+                        "(each length runs at each size, on the same engine); default: the "
+                        "engine's (2048)")
     p.add_argument("--prefill", action="store_true",
                    help="measure prefill instead of decode: TTFT, prefill tok/s and the compute "
                         "floor (config FLOPs over a bf16 matmul rate measured in the same run) "

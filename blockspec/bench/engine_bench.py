@@ -84,8 +84,9 @@ def build_engine(args: argparse.Namespace, max_bs: int):
     common = dict(max_running_requests=max_bs, max_total_tokens=cache,
                   cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph,
                   speculative_draft_lm_head=args.speculative_draft_lm_head)
-    if getattr(args, "chunked_prefill_size", None) is not None:
-        common["chunked_prefill_size"] = args.chunked_prefill_size
+    sizes = getattr(args, "chunked_prefill_size", None)
+    if sizes is not None:       # a list (--prefill runs each): the engine is built for the largest
+        common["chunked_prefill_size"] = max(sizes) if isinstance(sizes, list) else sizes
     if args.model_path is not None:
         kw = {k: getattr(args, k) for k in ("device", "dtype", "speculative_algorithm",
                                              "speculative_draft_model_path",
@@ -269,6 +270,9 @@ def single_input_len(args: argparse.Namespace) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> list[dict]:
     args = single_input_len(args)
+    if isinstance(args.chunked_prefill_size, list) and len(args.chunked_prefill_size) > 1:
+        raise ValueError("--chunked-prefill-size takes one size for the decode benchmark (a "
+                         "list only with --prefill)")
     if getattr(args, "breakdown", False):
         raise ValueError("--breakdown splits a prefill: use it with --prefill")
     batches = args.batch_size if isinstance(args.batch_size, list) else [args.batch_size]

@@ -1,7 +1,7 @@
 """Prefill benchmark: time to first token, prefill tok/s and the compute floor.
 
     blockspec bench --prefill --input-len 1024,4096,16384 [--preset P [--quantized] |
-        --model-path P] [--chunked-prefill-size N] [--breakdown]
+        --model-path P] [--chunked-prefill-size N[,N...]] [--breakdown]
 
 One engine (built as the decode bench builds it) serves every length. Per length, at batch 1:
 a warm-up prefill, then the median of ``--repeats`` timed ``max_new_tokens=1`` requests, each
@@ -114,25 +114,28 @@ def run(args: argparse.Namespace) -> list[dict]:
         # (CPU bf16 matmuls are emulated, far slower than the fp32 the tiny model runs in)
         mm_dtype = torch.bfloat16 if engine.device.type == "cuda" else engine.dtype
         tflops, n = matmul_tflops(engine.device, mm_dtype)
-        chunk = engine.args.chunked_prefill_size
+        sizes = args.chunked_prefill_size
+        chunks = sizes if isinstance(sizes, list) else [engine.args.chunked_prefill_size]
         base = {
             "bench": "prefill", "model": label,
             "device": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
             "dtype": str(engine.dtype).split(".")[-1], "quantized": bool(args.quantized),
-            "chunked_prefill_size": chunk, "batch_size": 1, "repeats": args.repeats,
+            "batch_size": 1, "repeats": args.repeats,
             "matmul_tflops": tflops, "matmul_n": n, "matmul_dtype": str(mm_dtype).split(".")[-1],
             "attention_backend": engine.backends.prefill,
         }
         results = []
-        for L in lens:
+        for chunk, L in ((c, L) for c in chunks for L in lens):
+            engine.scheduler.chunk = chunk
+            at = {**base, "chunked_prefill_size": chunk}
             ttft = time_to_first_token(engine, L, args.repeats)
             flops = prefill_flops(engine.config, L, chunk)
-            row = {**base, **prefill_row(L, ttft, flops, tflops)}
+            row = {**at, **prefill_row(L, ttft, flops, tflops)}
             results.append(row)
             print(json.dumps(_rounded(row)), flush=True)
             if args.breakdown:
                 prompt = _prompt(engine.config.vocab_size, L, seed=L)
-                parts = {**base, **breakdown(engine, L, prompt, flops)}
+                parts = {**at, **breakdown(engine, L, prompt, flops)}
                 print(format_table(parts), file=sys.stderr, flush=True)
                 results.append(parts)
                 print(json.dumps(_rounded(parts)), flush=True)
