@@ -3,12 +3,15 @@ losslessness at every width (greedy token-exact, sampling law by chi-square) for
 DSpark, with forced width sequences and with the real chooser."""
 from __future__ import annotations
 
+import itertools
 import random
+import threading
 
 import pytest
 import torch
 
 from blockspec import Engine
+from blockspec.sampling import SamplingParams
 from blockspec.speculative.adaptive import (
     AcceptanceEWMA,
     CostTable,
@@ -180,3 +183,35 @@ def test_sampling_is_lossless_at_mixed_widths(target, kind, block, head):
     widths = _widths(outs)
     assert all(c > 0 for c in widths), widths       # second tokens came from every width
     assert two_token_chi_square_pvalue(e, outs, prompt, params) > 0.01
+
+
+def test_width_metrics_and_stream_outputs(target):
+    pytest.importorskip("prometheus_client")
+    from blockspec.engine.loop import StreamOutput
+    from blockspec.server.metrics import Metrics, RequestTimer
+
+    m = Metrics(verify_width=4)
+    m.observe(RequestTimer(), StreamOutput(rid="a", token_ids=[1, 2, 3], text="", logprobs=[],
+                                           meta_info={}, accept_lengths=[1, 2],
+                                           verify_widths=[1, 3]))
+    assert m.registry.get_sample_value("blockspec_spec_verify_width_count") == 2
+    assert m.registry.get_sample_value("blockspec_spec_verify_width_sum") == 4
+    assert m.registry.get_sample_value("blockspec_spec_verify_width_bucket", {"le": "1.0"}) == 1
+    # the engine loop reports each verify's width with its accept length
+    root, folder, _ = target
+    e = _engine(root, folder, "dflash", 4)
+    e.drafter.chooser.force = itertools.cycle([1, 4])
+    outs, done = [], threading.Event()
+
+    def sink(out):
+        outs.append(out)
+        if out.finished:
+            done.set()
+
+    e.submit(PROMPTS[0], SamplingParams.from_dict({**GREEDY, "max_new_tokens": 12}), sink)
+    assert done.wait(60)
+    seen = [w for o in outs for w in o.verify_widths]
+    assert len(seen) == sum(len(o.accept_lengths) for o in outs)
+    assert all(a <= w for o in outs for a, w in zip(o.accept_lengths, o.verify_widths))
+    assert set(seen) == {1, 4}
+    e.shutdown()
