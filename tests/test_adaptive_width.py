@@ -58,6 +58,14 @@ def test_chooser_picks_the_best_ratio_and_batch_mean():
     assert chooser.choose(16) == max(ratios, key=ratios.get) == 3
 
 
+def test_chooser_probes_one_width_wider_now_and_then():
+    chooser = WidthChooser(range(1, 7), _cost(6), probe_every=4)
+    chooser.observe([[0.0] * 5])
+    assert [chooser.choose(16) for _ in range(8)] == [1, 1, 1, 2, 1, 1, 1, 2]
+    chooser.observe([[1.0] * 5])
+    assert {chooser.choose(16) for _ in range(8)} == {6}      # nothing wider to probe
+
+
 def test_forced_widths_round_down_to_candidates():
     chooser = WidthChooser((1, 2, 4, 8), _cost(8))
     chooser.force = iter([8, 7, 3, 1, 5])
@@ -80,8 +88,7 @@ def test_cost_table_falls_back_to_the_analytic_shape():
 
 
 def test_ewma_update():
-    e = AcceptanceEWMA(slots=3, positions=4, device=torch.device("cpu"), alpha=0.5, prior=0.8,
-                       relax=0.25)
+    e = AcceptanceEWMA(slots=3, positions=4, device=torch.device("cpu"), alpha=0.5, prior=0.8)
     slot, first = torch.tensor([0, 1]), torch.tensor([0, 0])
     # width 4 (3 drafts verified): row 0 accepted 1 -> pos 0 hit, pos 1 missed, pos 2-3 unseen;
     # row 1 accepted 3 -> pos 0-2 hit, pos 3 (never verified at width 4) unseen
@@ -89,12 +96,12 @@ def test_ewma_update():
     assert new[0].tolist() == pytest.approx([0.9, 0.4, 0.8, 0.8])
     assert new[1].tolist() == pytest.approx([0.9, 0.9, 0.9, 0.8])
     assert e.table[0].tolist() == pytest.approx([0.9, 0.4, 0.8, 0.8])
-    # width 1 (nothing verified): every position relaxes towards the prior
+    # width 1 (nothing verified): nothing changes
     low = e.update(slot[1:], torch.tensor([1]), torch.tensor([0]), width=1)
-    assert low[0].tolist() == pytest.approx([0.875, 0.875, 0.875, 0.8])
+    assert low[0].tolist() == pytest.approx([0.9, 0.9, 0.9, 0.8])
     # a later step of row 0 starts from its row; width 2 verifies only position 0
     again = e.update(slot[:1], torch.tensor([5]), torch.tensor([0]), width=2)
-    assert again[0].tolist() == pytest.approx([0.45, 0.4 + 0.25 * 0.4, 0.8, 0.8])
+    assert again[0].tolist() == pytest.approx([0.45, 0.4, 0.8, 0.8])
     # a new request in a used slot (verify counter 0) starts from the prior again
     fresh = e.update(slot[:1], torch.tensor([0]), torch.tensor([1]), width=3)
     assert fresh[0].tolist() == pytest.approx([0.9, 0.4, 0.8, 0.8])
@@ -215,3 +222,31 @@ def test_width_metrics_and_stream_outputs(target):
     assert all(a <= w for o in outs for a, w in zip(o.accept_lengths, o.verify_widths))
     assert set(seen) == {1, 4}
     e.shutdown()
+
+
+@pytest.mark.parametrize("profile", ["0,0,0", "1,1,1"])
+def test_bench_reports_widths_and_simulates_at_any_width(profile):
+    """Simulated acceptance at the chosen widths: never accepting drives the chooser to plain
+    decoding; always accepting keeps it at the widest verify, each step accepting all w - 1."""
+    import argparse
+
+    from blockspec.bench.bench_args import add_arguments
+    from blockspec.bench.engine_bench import run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--speculative-adaptive"])
+    args.__dict__.update(device="cpu", input_len=4, output_len=120, batch_size=[4], repeats=1,
+                         random_draft="dflash", speculative_num_draft_tokens=4,
+                         simulate_accept_profile=profile)
+    r = run(args)[0]
+    assert r["speculative_adaptive"] is True
+    hist = r["width_histogram"]
+    assert len(hist) == 4 and sum(hist) == sum(r["accept_histogram"])
+    if profile == "0,0,0":
+        assert r["accept_histogram"][1:] == [0, 0, 0]
+        assert r["mean_verify_width"] < 1.6 and hist[0] > sum(hist) / 2
+    else:
+        assert r["mean_verify_width"] > 3.5
+        # every step accepted all of its w - 1 drafts, whatever w was
+        assert r["accept_histogram"][:3] == hist[:3] and r["accept_histogram"][3] == hist[3]

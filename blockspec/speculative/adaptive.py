@@ -4,14 +4,18 @@ w chosen for the whole batch to maximise expected committed tokens per second.
 * Live acceptance (``AcceptanceEWMA``): per request slot and draft position j, an EWMA of
   P(draft j accepted | drafts before it accepted), updated inside the step function from the
   accept lengths (device ops only; a graph replays it). Position j is observed only when the
-  step verified it (j < w - 1) and reached it (j <= accepted drafts); unobserved positions
-  relax slowly towards the prior, so a batch that dropped to width 1 looks again later.
+  step verified it (j < w - 1) and reached it (j <= accepted drafts); the others keep their
+  value. A new request starts from an optimistic prior, so it is verified wide until its
+  acceptance is known.
 * Cost table (``CostTable``): step seconds per (padded batch, width), timed once by a few
   replays of each captured graph on the dummy rows; without graphs an analytic shape.
 * Choice (``WidthChooser``): E[w] = 1 + sum_{i < w-1} prod_{j <= i} p_j from the batch mean
   of the EWMA rows the last read-back step returned; argmax_w E[w] / step_time(b, w) over the
-  captured widths. No host sync is added: with launch-ahead, step k + 1 is launched before
-  step k is read back, so its width uses the EWMA of step k - 1.
+  captured widths. Every ``probe_every``-th choice takes the next wider width instead, so
+  positions the chosen width never verifies (all of them at width 1) are measured again and
+  a batch that fell back to plain decoding finds out when its drafts recover. No host sync
+  is added: with launch-ahead, step k + 1 is launched before step k is read back, so its
+  width uses the EWMA of step k - 1.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ WIDTH_BUDGET = 8
 # analytic step time (graphs off): fixed cost 1, the draft forward's share, and the verify rows
 # at which a step's compute matches its weight reads (placeholder shape, not a measurement)
 DRAFT_SHARE, ROWS_KNEE = 0.15, 256.0
+PRIOR = 0.8             # a new request's acceptance at every position, before any verify
+PROBE_EVERY = 32        # every this many choices, one width wider than the best
 
 
 def candidate_widths(max_width: int, adaptive: bool, budget: int = WIDTH_BUDGET) -> tuple[int, ...]:
@@ -52,8 +58,8 @@ class AcceptanceEWMA:
     """Per slot, per draft position acceptance EWMA on the device ([slots, W - 1] fp32)."""
 
     def __init__(self, slots: int, positions: int, device: torch.device, alpha: float = 0.25,
-                 prior: float = 0.8, relax: float = 1.0 / 32) -> None:
-        self.alpha, self.prior, self.relax = alpha, prior, relax
+                 prior: float = PRIOR) -> None:
+        self.alpha, self.prior = alpha, prior
         self.table = torch.full((slots, max(positions, 1)), prior, dtype=torch.float32,
                                 device=device)
         self._pos = torch.arange(self.table.shape[1], device=device)
@@ -68,8 +74,7 @@ class AcceptanceEWMA:
         j, a = self._pos[None], accepted[:, None]
         tested = (j <= a) & (j < width - 1)
         hit = (j < a).to(prev.dtype)
-        new = torch.where(tested, prev + self.alpha * (hit - prev),
-                          prev + self.relax * (self.prior - prev))
+        new = torch.where(tested, prev + self.alpha * (hit - prev), prev)
         self.table[slot] = new
         return new
 
@@ -109,12 +114,15 @@ class WidthChooser:
     ``force`` (tests, benchmarks): an iterator of widths that overrides the choice; a width
     that is not a candidate runs at the largest candidate below it."""
 
-    def __init__(self, widths: Sequence[int], cost: CostTable, prior: float = 0.8) -> None:
+    def __init__(self, widths: Sequence[int], cost: CostTable, prior: float = PRIOR,
+                 probe_every: int = PROBE_EVERY) -> None:
         self.widths = tuple(sorted(widths))
         self.max_width = self.widths[-1]
         self.cost = cost
         self.p = [prior] * max(self.max_width - 1, 1)
+        self.probe_every = probe_every
         self.force: Iterator[int] | None = None
+        self._choices = 0
 
     def observe(self, rows: Sequence[Sequence[float]]) -> None:
         """The EWMA rows of a read-back step's requests (batch mean per position)."""
@@ -131,5 +139,8 @@ class WidthChooser:
             return self.fit(next(self.force))
         if len(self.widths) == 1:
             return self.widths[0]
-        return max(self.widths,
-                   key=lambda w: expected_tokens(self.p, w) / self.cost.time(bs, w))
+        best = max(self.widths, key=lambda w: expected_tokens(self.p, w) / self.cost.time(bs, w))
+        self._choices += 1
+        if self.probe_every and self._choices % self.probe_every == 0 and best < self.max_width:
+            return self.widths[self.widths.index(best) + 1]
+        return best
