@@ -250,3 +250,50 @@ def test_bench_reports_widths_and_simulates_at_any_width(profile):
         assert r["mean_verify_width"] > 3.5
         # every step accepted all of its w - 1 drafts, whatever w was
         assert r["accept_histogram"][:3] == hist[:3] and r["accept_histogram"][3] == hist[3]
+
+
+class _EagerGraphs:
+    """A stand-in for ``GraphRunner`` on CPU: 'capture' keeps the step closure and 'replay'
+    calls it on the static inputs, so the graph bookkeeping (one graph per width, a step
+    launched ahead at another width, the cost table per captured size) runs without CUDA."""
+
+    def __init__(self, max_bs: int) -> None:
+        from blockspec.runtime.graph_runner import capture_sizes
+
+        self.sizes, self._graphs, self.replays = capture_sizes(max_bs), {}, set()
+
+    def padded_size(self, bs):
+        return next((s for s in self.sizes if s >= bs), None)
+
+    def has(self, key):
+        return key in self._graphs
+
+    def capture(self, key, fn):
+        fn()
+        self._graphs[key] = fn
+
+    def replay(self, key):
+        self.replays.add(key)
+        return self._graphs[key]()
+
+
+@pytest.mark.parametrize("kind, block", [("dflash", 5), ("dspark", 4)])
+def test_graph_bookkeeping_per_width(target, kind, block, monkeypatch):
+    root, folder, ref = target
+
+    def measure(self, bs, width, replay, device, reps=3):   # no CUDA clock: a fixed shape
+        replay()
+        self.measured[(bs, width)] = 1.0 + 0.1 * width + 0.01 * bs * width
+
+    monkeypatch.setattr(CostTable, "measure", measure)
+    e = _engine(root, folder, kind, block, max_running_requests=16)
+    e.runner.graphs = _EagerGraphs(16)
+    e.runner.host_max_seq_len = 512    # the torch backend's context bound (graph steps set none)
+    d = e.drafter
+    rng = random.Random(0)
+    d.chooser.force = iter(lambda: rng.randint(1, d.width), None)
+    assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == ref
+    assert {k[0] for k in e.runner.graphs.replays} == {f"spec{w}" for w in d.widths}
+    assert set(d.cost.measured) == {(s, w) for s in (1, 2, 4, 8, 16) for w in d.widths}
+    d.chooser.force = None
+    assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == ref

@@ -116,13 +116,21 @@ class SpecWorker:
         key = batch.sampling_key()
         for w in self.widths:
             self.runner.ensure_graph(f"spec{w}", key, padded, self._fns[w])
-        if len(self.widths) > 1:
-            for size in (s for s in graphs.sizes if s <= padded):
-                for w in self.widths:
-                    if (size, w) not in self.cost.measured:
-                        gkey = (f"spec{w}", key, size)
-                        self.cost.measure(size, w, lambda gkey=gkey: graphs.replay(gkey),
-                                          self.memory.device)
+        todo = [(s, w) for s in graphs.sizes if s <= padded for w in self.widths
+                if (s, w) not in self.cost.measured]
+        if len(self.widths) > 1 and todo:
+            # dummy rows (the dummy slot's cache only) with distinct anchors and seeds, so the
+            # verify's tokens spread over the MoE experts as a real batch's do
+            inp, g = self.runner.inputs, torch.Generator().manual_seed(0)
+            inp.fill_dummy(0, padded)
+            inp.host["token"][:padded] = torch.randint(0, self.runner.cfg.vocab_size, (padded,),
+                                                       generator=g)
+            inp.host["seed"][:padded] = torch.arange(1, padded + 1)
+            inp.upload()
+            for size, w in todo:
+                gkey = (f"spec{w}", key, size)
+                self.cost.measure(size, w, lambda gkey=gkey: graphs.replay(gkey),
+                                  self.memory.device)
 
     def begin(self, batch: StepBatch | None, prev: Launched | None = None) -> Pending:
         """A constrained step's draft and verify forwards (``runtime/phases.py``); its verify
