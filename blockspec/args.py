@@ -170,6 +170,9 @@ class EngineArgs:
     speculative_draft_model_path: str | None = arg(None, "DFlash/DSpark draft checkpoint folder")
     speculative_num_draft_tokens: int | None = arg(None, "verify block width (>= 2, anchor "
                                                          "included); default: the draft's block_size")
+    speculative_adaptive: bool = arg(
+        False, "choose each step's verify width (1 .. --speculative-num-draft-tokens, 1 = plain "
+               "decoding) from a measured step-time table and live per-position acceptance")
     speculative_draft_attention_backend: str | None = arg(
         None, "draft attention; default: the decode backend when it runs non-causal blocks",
         choices=attention_backend_choices)

@@ -106,3 +106,7 @@ def test_64_concurrent_streams_with_dflash(spec):
     assert verifies > first > 0 and first >= last > 0    # drafts accepted at every position, less often deeper
     short = after['blockspec_spec_accept_length_bucket{le="1.0"}']
     assert 0 < short < verifies                             # and rejected outright at times
+    # fixed width: every verify ran at the maximum width
+    widths = "blockspec_spec_verify_width_count"
+    assert after[widths] - before.get(widths, 0.0) == verifies
+    assert after[f'blockspec_spec_verify_width_bucket{{le="{BLOCK - 1}.0"}}'] == 0

@@ -53,3 +53,25 @@ def test_constrained_sampling_is_the_masked_target_distribution(target, algo):
         assert two_token_chi_square_pvalue(e, tail, forced, PARAMS, ALLOWED) > 0.01
     finally:
         e.shutdown()
+
+
+def test_constrained_sampling_at_random_adaptive_widths(target):
+    """The phased (grammar) steps at verify widths chosen per step: same masked law."""
+    import random
+
+    root, folder = target
+    e = Engine(model_path=str(folder), device="cpu", max_running_requests=2000,
+               max_total_tokens=2000 * 16, speculative_algorithm="DFLASH",
+               speculative_draft_model_path=str(_draft(root, "dflash")), speculative_adaptive=True)
+    try:
+        rng = random.Random(2)
+        e.drafter.chooser.force = iter(lambda: rng.randint(1, e.drafter.width), None)
+        outs = e.generate(input_ids=[PROMPT] * N, sampling_params=PARAMS)
+        assert all(o["text"][0] == "s" and len(o["output_ids"]) == 3 for o in outs)
+        widths = [sum(c) for c in zip(*[o["meta_info"]["spec_width_histogram"] for o in outs])]
+        assert all(n > 0 for n in widths), widths
+        tail = [{"output_ids": o["output_ids"][1:]} for o in outs]
+        forced = PROMPT + [CHARS.index("s")]
+        assert two_token_chi_square_pvalue(e, tail, forced, PARAMS, ALLOWED) > 0.01
+    finally:
+        e.shutdown()

@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="head that scores draft blocks: the target's as stored, a W4A16 NVFP4 "
                         "copy made at load (verification stays exact), or auto (the copy for a "
                         "dense 16-bit head on CUDA)")
+    p.add_argument("--speculative-adaptive", action="store_true",
+                   help="choose each step's verify width (1 .. --speculative-num-draft-tokens) "
+                        "from the measured step-time table and live acceptance; rows then report "
+                        "the width distribution")
     p.add_argument("--simulate-accept-length", type=float, metavar="TAU",
                    help="force the mean tokens committed per verify (bonus included) to TAU, as if "
                         "a trained draft were attached (sglang's simulated acceptance): the profile "

@@ -83,7 +83,8 @@ def build_engine(args: argparse.Namespace, max_bs: int):
     cache = max_bs * (args.input_len + args.output_len + 64)
     common = dict(max_running_requests=max_bs, max_total_tokens=cache,
                   cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph,
-                  speculative_draft_lm_head=args.speculative_draft_lm_head)
+                  speculative_draft_lm_head=args.speculative_draft_lm_head,
+                  speculative_adaptive=bool(getattr(args, "speculative_adaptive", False)))
     sizes = getattr(args, "chunked_prefill_size", None)
     if sizes is not None:       # a list (--prefill runs each): the engine is built for the largest
         common["chunked_prefill_size"] = max(sizes) if isinstance(sizes, list) else sizes
@@ -131,6 +132,11 @@ def acceptance_fields(engine, outs: list[dict]) -> dict:
     pooled = [sum(h[i] for h in hists if len(h) > i) for i in range(width)]
     out = {"accept_histogram": pooled,
            "accept_rates": _round4(accept_profile.histogram_rates(pooled))}
+    if engine.drafter.adaptive:     # steps per verify width (1 = plain decode); rates above mix widths
+        widths = [o["meta_info"].get("spec_width_histogram") or [] for o in outs]
+        hist = [sum(h[i] for h in widths if len(h) > i) for i in range(width)]
+        out.update(width_histogram=hist, mean_verify_width=round(
+            sum((i + 1) * n for i, n in enumerate(hist)) / max(sum(hist), 1), 3))
     sim = engine.drafter.simulate
     if sim is not None:
         phases = (accept_profile.LowAcceptPhases(sim.every, sim.low_len, sim.low_scale)
@@ -182,9 +188,10 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
     else:
         steps, width, tau = max(len(o["output_ids"]) for o in outs) - 1, 1, 1.0
     step_s = decode / max(steps, 1)
-    wbytes = step_weight_bytes(engine.model, batch * width)
-    floor_s = wbytes / H200_BW
     spec = acceptance_fields(engine, outs) if engine.drafter is not None else {}
+    # adaptive: the weight bytes of a step at the mean width the chooser ran
+    wbytes = step_weight_bytes(engine.model, round(batch * spec.get("mean_verify_width", width)))
+    floor_s = wbytes / H200_BW
     return {
         "batch_size": batch, "verify_width": width, "accept_length": round(tau, 3), **spec,
         "mean_output_len": round(statistics.mean(len(o["output_ids"]) for o in outs), 1),
@@ -294,6 +301,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         if engine.device.type == "cuda" else "cpu", "dtype": str(engine.dtype).split(".")[-1],
         "input_len": args.input_len, "output_len": args.output_len,
         "speculative": type(engine.drafter.draft).__name__ if engine.drafter else None,
+        "speculative_adaptive": bool(engine.drafter and engine.drafter.adaptive),
         "simulated_accept_length": args.simulate_accept_length,
         "simulated_accept_profile": None if sim is None else sim.label,
         "simulated_profile_accept_length": None if sim is None else round(

@@ -208,7 +208,8 @@ class Engine:
         self.drafter = None
         if draft is not None:
             self.drafter = SpecWorker(draft, self.runner, self.backends.draft, self.dtype,
-                                      args.speculative_draft_lm_head)
+                                      args.speculative_draft_lm_head,
+                                      adaptive=args.speculative_adaptive)
         elif args.speculative_algorithm:
             self.drafter = build_spec_worker(args, self.runner, self.backends.draft, self.dtype,
                                              self.device)

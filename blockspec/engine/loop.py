@@ -42,6 +42,7 @@ class StreamOutput:
     meta_info: dict                             # id, prompt/completion tokens; all of it at the end
     finish_reason: dict | None = None           # stop / length / abort / error (with "message")
     accept_lengths: list[int] = field(default_factory=list)   # tokens committed per verify, bonus incl.
+    verify_widths: list[int] = field(default_factory=list)    # the width of each of those verifies
     time: float = 0.0                           # time.monotonic() when the output left the loop
     # with top_logprobs_num: the top (logprob, id) alternatives of each new token
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
@@ -82,6 +83,7 @@ class _Live:
     sent_logprobs: int = 0
     sent_prompt: bool = False
     histogram: list[int] = field(default_factory=list)   # spec_accept_histogram last reported
+    widths: list[int] = field(default_factory=list)      # spec_width_histogram last reported
 
 
 class EngineLoop:
@@ -309,7 +311,8 @@ class EngineLoop:
                     "completion_tokens": len(req.output_ids), "finish_reason": None}
         return StreamOutput(rid=req.rid, token_ids=ids, text=text, logprobs=lps, meta_info=meta,
                             finish_reason=req.finish_reason if final else None,
-                            accept_lengths=self._new_accepts(live), time=time.monotonic(),
+                            accept_lengths=self._new_accepts(live),
+                            verify_widths=self._new_widths(live), time=time.monotonic(),
                             top_logprobs=tops, prompt_logprobs=prompt,
                             prompt_top_logprobs=prompt_tops)
 
@@ -322,6 +325,17 @@ class EngineLoop:
         prev = live.histogram or [0] * len(hist)
         out = [a + 1 for a, (n, m) in enumerate(zip(hist, prev)) for _ in range(n - m)]
         live.histogram = list(hist)
+        return out
+
+    @staticmethod
+    def _new_widths(live: _Live) -> list[int]:
+        """The verify width of each step since the last output (cumulative histogram)."""
+        hist = live.req.spec_width_histogram
+        if not hist:
+            return []
+        prev = live.widths or [0] * len(hist)
+        out = [w + 1 for w, (n, m) in enumerate(zip(hist, prev)) for _ in range(n - m)]
+        live.widths = list(hist)
         return out
 
     def _send(self, live: _Live, out: StreamOutput) -> None:

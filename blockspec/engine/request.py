@@ -20,6 +20,7 @@ class Mark:
     verifies: int
     histogram: list[int]
     first_token_time: float | None
+    widths: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Request:
     # speculative decoding statistics
     spec_verify_ct: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)
+    spec_width_histogram: list[int] = field(default_factory=list)   # steps per verify width
     # perf_counter timestamps (the scheduler stamps the first token and the finish)
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -68,7 +70,8 @@ class Request:
 
     def mark(self) -> Mark:
         return Mark(len(self.output_ids), len(self.output_logprobs), self.num_cached,
-                    self.spec_verify_ct, list(self.spec_accept_histogram), self.first_token_time)
+                    self.spec_verify_ct, list(self.spec_accept_histogram), self.first_token_time,
+                    list(self.spec_width_histogram))
 
     def roll_back(self, mark: Mark) -> None:
         """Forget what a failed step added; the cache state is computed again (num_cached 0)."""
@@ -76,6 +79,7 @@ class Request:
         del self.output_logprobs[mark.logprobs:]
         del self.output_top_logprobs[mark.logprobs:]
         self.spec_verify_ct, self.spec_accept_histogram = mark.verifies, list(mark.histogram)
+        self.spec_width_histogram = list(mark.widths)
         self.first_token_time = mark.first_token_time
         self.finish_reason, self.text, self.finished_time = None, "", None
         self.num_cached = 0
@@ -108,4 +112,5 @@ class Request:
             info["spec_verify_ct"] = self.spec_verify_ct
             info["spec_accept_length"] = committed / self.spec_verify_ct if self.spec_verify_ct else 0.0
             info["spec_accept_histogram"] = list(self.spec_accept_histogram)
+            info["spec_width_histogram"] = list(self.spec_width_histogram)
         return info

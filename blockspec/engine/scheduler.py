@@ -342,6 +342,9 @@ class Scheduler:
                 if not req.spec_accept_histogram:
                     req.spec_accept_histogram = [0] * self.drafter.lookahead
                 req.spec_accept_histogram[a] += 1
+                if not req.spec_width_histogram:
+                    req.spec_width_histogram = [0] * self.drafter.lookahead
+                req.spec_width_histogram[cur.width - 1] += 1
             self._append(req, tokens, lps, tops)
             changed.append(req)
         if ahead is not None:

@@ -210,8 +210,10 @@ class ModelRunner:
         """Launch one step without waiting for it. With ``batch``: fill the static inputs from
         it (one upload; nothing may be in flight, so ``collect`` every earlier step first).
         With None: the step after ``prev`` for the same requests, from the inputs ``prev``
-        advanced on the device. Replays the captured graph of (kind, sampling mode, padded
-        size), else runs ``fn`` eagerly; the outputs are copied to a host buffer behind it.
+        advanced on the device (``fn`` / ``kind`` / ``width`` may differ from ``prev``'s: an
+        adaptive verify width; that graph must have been captured with ``prev``'s). Replays
+        the captured graph of (kind, sampling mode, padded size), else runs ``fn`` eagerly;
+        the outputs are copied to a host buffer behind it.
         ``width`` = positions the step writes past the committed length. A constrained
         batch's masks come from its matchers' host state: it runs in phases
         (``runtime/phases.py``)."""
@@ -221,7 +223,7 @@ class ModelRunner:
                 raise RuntimeError("a constrained batch runs in phases (PhasedSteps)")
             self.reserve_buffers(batch)
         else:
-            bs, key, fn, kind, width = prev.bs, prev.key, prev.fn, prev.kind, prev.width
+            bs, key = prev.bs, prev.key
         padded = self.graphs.padded_size(bs) if self.graphs is not None else None
         if padded is None:
             if batch is not None:

@@ -75,7 +75,7 @@ class PhasedSteps:
             bs, key = batch.size, batch.sampling_key()
             r.reserve_buffers(batch)
         else:
-            bs, key, plan, kind, width = prev.bs, prev.key, prev.plan, prev.kind, prev.width
+            bs, key = prev.bs, prev.key     # plan / kind / width: the caller's (may change)
         padded = r.graphs.padded_size(bs) if r.graphs is not None and plan.graphs else None
         if batch is not None:
             if padded is not None:

@@ -80,6 +80,10 @@ class Metrics:
                 ["position"], registry=r)
             for pos in range(1, verify_width):
                 self.accepted_per_pos.labels(position=str(pos))
+            self.width = Histogram(
+                "blockspec_spec_verify_width", "verify width of each speculative step, per "
+                "request (1 = plain decoding; --speculative-adaptive chooses it, else it is the "
+                "maximum)", buckets=tuple(range(1, verify_width + 1)), registry=r)
 
     def observe(self, timer: RequestTimer, out: StreamOutput) -> None:
         """Account one engine output of one request."""
@@ -102,6 +106,8 @@ class Metrics:
                 self.verifies.inc()
                 for pos in range(1, a):
                     self.accepted_per_pos.labels(position=str(pos)).inc()
+            for w in out.verify_widths:
+                self.width.observe(w)
         if out.finished:
             self.finished.labels(finish_reason=out.finish_reason["type"]).inc()
             self.prompt_tokens.inc(out.meta_info.get("prompt_tokens", 0))

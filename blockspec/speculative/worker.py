@@ -10,6 +10,14 @@ hidden states) lives in a paged pool on the target's block tables: the draft blo
 own K/V at the block positions, and the verify's captured rows overwrite them with the real
 context; rows past a request's committed length are never read, so rejected rows need no
 clean-up.
+
+The verify width w (1..W, W = gamma + 1) is chosen per step for the whole batch
+(``speculative/adaptive.py``): a step at width w verifies the first w - 1 drafts, so the
+verify forward, acceptance, Mamba commit and draft-context write run over w rows; w = 1 is a
+plain AR step (no draft forward: the target decodes the anchor and its hidden states become
+draft context). Fixed-width speculation is the same path with the choice pinned to W. One
+graph per (width, sampling mode, padded batch); each step also returns its requests' updated
+acceptance EWMA, which the host's chooser reads with the step's other outputs.
 """
 from __future__ import annotations
 
@@ -17,16 +25,17 @@ import torch
 
 from blockspec.args import EngineArgs
 from blockspec.attention import create_backend
-from blockspec.models.dflash import DFlashDraftModel
 from blockspec.forward_metadata import Mode
 from blockspec.grammar import mask_logits
-from blockspec.runtime.launched import Plan
+from blockspec.models.dflash import DFlashDraftModel
 from blockspec.penalties import count_tokens, penalize
+from blockspec.runtime.launched import Plan
 from blockspec.runtime.logprobs import chosen_and_top, pack_top, unpack_top
 from blockspec.runtime.metadata import StepBatch, same_rows, uniform_metadata
 from blockspec.runtime.model_runner import Launched, ModelRunner, Pending
 from blockspec.sampling import Stream, logprobs_of, uniforms
 from blockspec.speculative.accept import verify_block
+from blockspec.speculative.adaptive import AcceptanceEWMA, CostTable, WidthChooser, candidate_widths
 from blockspec.speculative.draft_head import make_draft_head
 from blockspec.speculative.draft_loader import load_draft
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
@@ -34,7 +43,7 @@ from blockspec.speculative.simulated_accept import SimulatedAcceptance
 
 class SpecWorker:
     def __init__(self, draft: DFlashDraftModel, runner: ModelRunner, draft_backend: str,
-                 dtype: torch.dtype, draft_lm_head: str = "auto") -> None:
+                 dtype: torch.dtype, draft_lm_head: str = "auto", adaptive: bool = False) -> None:
         self.draft, self.runner, self.target = draft, runner, runner.model
         draft.fuse()
         # None: the draft scores with its own head, else the target's (DFlashDraftModel)
@@ -42,7 +51,7 @@ class SpecWorker:
         self.memory = runner.memory
         cfg = draft.config
         self.gamma = cfg.gamma
-        self.width = cfg.gamma + 1                  # verify writes positions p .. p + gamma
+        self.width = cfg.gamma + 1                  # the widest verify: positions p .. p + gamma
         self.query_len = cfg.query_len
         self.is_dspark = cfg.algorithm == "dspark"
         self.pool = self.memory.add_draft_pool(cfg.num_hidden_layers, draft.num_kv_heads,
@@ -53,11 +62,26 @@ class SpecWorker:
         if not self.attn.supports_cuda_graph:   # a step is one graph: every backend in it must capture
             runner.disable_graphs(f"the draft's attention backend {self.attn.name!r} is eager-only")
         self.simulate: SimulatedAcceptance | None = None   # benchmarks only (see _propose)
+        self.adaptive = adaptive
+        self.widths = candidate_widths(self.width, adaptive)
+        self.cost = CostTable()
+        self.chooser = WidthChooser(self.widths, self.cost)
+        self.ewma = AcceptanceEWMA(self.memory.dummy_slot + 1, self.gamma, self.memory.device)
+        self._fns = {w: self._step_at(w) for w in self.widths}
         # grammar-constrained steps: propose -> verify forward -> masked finish, eagerly: the
         # three phases replayed as graphs made an illegal memory access on the GPU under a
         # sampled batch of 64 with admissions (not yet understood), so they do not capture
-        self._plan = Plan((self._propose_phase, self._verify_phase, self._finish_phase),
-                          rows=self.width, drafts_of=lambda proposal: proposal[0], graphs=False)
+        self._plans = {w: self._plan_at(w) for w in self.widths}
+
+    def _step_at(self, w: int):
+        return lambda inp, key: self.step_fn(inp, key, w)
+
+    def _plan_at(self, w: int) -> Plan:
+        return Plan((lambda inp, key, _: self._propose(inp, key, w),
+                     lambda inp, key, proposal: (proposal, self._verify_forward(inp, proposal, w)),
+                     lambda inp, key, pv: self._finish(inp, key, w, *pv, inp["bitmask"][:, :w])),
+                    rows=w, drafts_of=(lambda proposal: proposal[0]) if w > 1 else None,
+                    graphs=False)
 
     @property
     def lookahead(self) -> int:
@@ -76,47 +100,75 @@ class SpecWorker:
         A constrained batch runs its phases back to back (its masks are known now)."""
         if batch is not None and batch.constrained:
             return self.runner.phased.complete(self.begin(batch), batch.grammars)
-        return self.runner.launch_step(batch, self.step_fn, "spec", self.width, prev)
+        w = self.chooser.choose(batch.size if batch is not None else prev.bs)
+        if batch is not None:
+            self._ensure_graphs(batch)
+        return self.runner.launch_step(batch, self._fns[w], f"spec{w}", w, prev)
+
+    def _ensure_graphs(self, batch: StepBatch) -> None:
+        """Every candidate width's graphs for the batch's sampling mode and padded size (and
+        the smaller sizes), captured together so the width can change on a step launched
+        ahead; each new (size, width) is timed once into the cost table (dummy rows)."""
+        graphs = self.runner.graphs
+        padded = graphs.padded_size(batch.size) if graphs is not None else None
+        if padded is None:
+            return
+        key = batch.sampling_key()
+        for w in self.widths:
+            self.runner.ensure_graph(f"spec{w}", key, padded, self._fns[w])
+        todo = [(s, w) for s in graphs.sizes if s <= padded for w in self.widths
+                if (s, w) not in self.cost.measured]
+        if len(self.widths) > 1 and todo:
+            # dummy rows (the dummy slot's cache only) with distinct anchors and seeds, so the
+            # verify's tokens spread over the MoE experts as a real batch's do
+            inp, g = self.runner.inputs, torch.Generator().manual_seed(0)
+            inp.fill_dummy(0, padded)
+            inp.host["token"][:padded] = torch.randint(0, self.runner.cfg.vocab_size, (padded,),
+                                                       generator=g)
+            inp.host["seed"][:padded] = torch.arange(1, padded + 1)
+            inp.upload()
+            for size, w in todo:
+                gkey = (f"spec{w}", key, size)
+                self.cost.measure(size, w, lambda gkey=gkey: graphs.replay(gkey),
+                                  self.memory.device)
 
     def begin(self, batch: StepBatch | None, prev: Launched | None = None) -> Pending:
         """A constrained step's draft and verify forwards (``runtime/phases.py``); its verify
         masks follow the drafts through each request's grammar on the host, one bitmask row
         per verify position, so a draft the grammar forbids is rejected and the bonus obeys
         the grammar."""
-        return self.runner.phased.begin(batch, self._plan, "spec", self.width, prev)
+        w = self.chooser.choose(batch.size if batch is not None else prev.bs)
+        return self.runner.phased.begin(batch, self._plans[w], f"spec{w}", w, prev)
 
     def results(self, step: Launched) -> list[tuple]:
         """(accepted drafts a, the a + 1 committed tokens, their logprobs, their top
-        alternatives or None) per request."""
-        T, k = self.width, self.runner.top_n
-        res = []
+        alternatives or None) per request; the rows' acceptance EWMA go to the chooser."""
+        T, G, k = step.width, self.gamma, self.runner.top_n
+        res, ewma = [], []
         for row in self.runner.collect(step):    # one conversion of the step's output
             a = int(row[0])
-            tops = unpack_top(row[1 + 2 * T:], k, T)[:a + 1] if step.key[5] else None
+            tops = unpack_top(row[1 + 2 * T + G:], k, T)[:a + 1] if step.key[5] else None
             res.append((a, [int(t) for t in row[1:a + 2]], row[1 + T:T + a + 2], tops))
+            ewma.append(row[1 + 2 * T:1 + 2 * T + G])
+        self.chooser.observe(ewma)
         return res
 
-    def step_fn(self, inp: dict[str, torch.Tensor], key: tuple) -> torch.Tensor:
-        """Draft -> verify -> accept -> commit for every row, device ops only.
-        Returns [B, 1 + 2T] float64: accepted drafts, committed tokens (padded), logprobs
-        (then, with top logprobs, T * TOP_LOGPROBS_MAX values and as many ids)."""
-        proposal = self._propose(inp, key)
-        return self._finish(inp, key, proposal, self._verify_forward(inp, proposal))
+    def step_fn(self, inp: dict[str, torch.Tensor], key: tuple, width: int | None = None,
+                ) -> torch.Tensor:
+        """Draft -> verify the first ``width`` - 1 drafts (default all) -> accept -> commit for
+        every row, device ops only. Returns [B, 1 + 2T + γ] float64 (T = width): accepted
+        drafts, committed tokens (padded), logprobs, the rows' acceptance EWMA (then, with
+        top logprobs, T * TOP_LOGPROBS_MAX values and as many ids)."""
+        w = self.width if width is None else width
+        proposal = self._propose(inp, key, w)
+        return self._finish(inp, key, w, proposal, self._verify_forward(inp, proposal, w))
 
-    def _propose_phase(self, inp: dict[str, torch.Tensor], key: tuple, _: object) -> tuple:
-        return self._propose(inp, key)
-
-    def _verify_phase(self, inp: dict[str, torch.Tensor], key: tuple, proposal: tuple) -> tuple:
-        return proposal, self._verify_forward(inp, proposal)
-
-    def _finish_phase(self, inp: dict[str, torch.Tensor], key: tuple, pv: tuple) -> torch.Tensor:
-        proposal, verified = pv
-        return self._finish(inp, key, proposal, verified, inp["bitmask"][:, :self.width])
-
-    def _propose(self, inp: dict[str, torch.Tensor], key: tuple) -> tuple:
-        """The draft block: (drafts [B, γ], their distributions or None, the draft metadata,
-        the simulation draw or None)."""
+    def _propose(self, inp: dict[str, torch.Tensor], key: tuple, width: int) -> tuple:
+        """The draft block's first ``width`` - 1 drafts: (drafts [B, w-1], their distributions
+        or None, the draft metadata, the simulation coins or None). Width 1 runs no draft."""
         greedy_only = key[0]
+        if width == 1:
+            return inp["token"][:, None][:, :0], None, None, None
         draft, target, m = self.draft, self.target, self.memory
         B, Q = inp["slot"].shape[0], self.query_len
         anchor = inp["token"]
@@ -136,13 +188,22 @@ class SpecWorker:
         if self.simulate is not None:   # benchmark mode: γ acceptance coins, then γ proposals
             u_sim = uniforms(inp["seed"], inp["verify_ctr"], Stream.SIMULATE, 2 * self.gamma)
             drafts = self._simulated_proposals(u_sim[:, self.gamma:], base.shape[-1])
-        return drafts, q, dmeta, u_sim
+            u_sim = u_sim[:, :width - 1]
+        n = width - 1
+        return drafts[:, :n], None if q is None else q[:, :n], dmeta, u_sim
 
-    def _verify_forward(self, inp: dict[str, torch.Tensor], proposal: tuple):
-        """The target forward over [anchor, drafts] (T rows per request)."""
+    def _verify_forward(self, inp: dict[str, torch.Tensor], proposal: tuple, width: int):
+        """The target forward over [anchor, drafts] (``width`` rows per request); width 1 is
+        the target's decode forward (its Mamba state advances in place)."""
         drafts, _, dmeta, _ = proposal
-        m, T = self.memory, self.width
+        m, T = self.memory, width
         cand = torch.cat([inp["token"][:, None], drafts], dim=1)
+        if T == 1:
+            meta = uniform_metadata(inp, 1, Mode.DECODE, cand, m.block_table, m.page_size,
+                                    self.runner.decode_attn, m.kv, m.mamba,
+                                    capture_layers=self.runner.capture_layers,
+                                    max_seq_len=self.runner.host_max_seq_len)
+            return self.target(meta), meta
         if self.query_len == T:      # the verify reads the draft block's own positions
             vmeta = same_rows(dmeta, Mode.VERIFY, cand, self.runner.decode_attn, m.kv, m.mamba,
                               self.runner.capture_layers)
@@ -153,48 +214,53 @@ class SpecWorker:
                                      max_seq_len=self.runner.host_max_seq_len)
         return self.target(vmeta), vmeta
 
-    def _finish(self, inp: dict[str, torch.Tensor], key: tuple, proposal: tuple, verified: tuple,
-                bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    def _finish(self, inp: dict[str, torch.Tensor], key: tuple, width: int, proposal: tuple,
+                verified: tuple, bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """Accept (on the penalised logits, then those ``bitmask`` allows, when given) ->
-        commit -> advance; the logprobs stay the target's own."""
+        commit -> EWMA -> advance; the logprobs stay the target's own."""
         greedy_only, filters, want_lp, _, penalized, want_top = key
         drafts, q, _, u_sim = proposal
         out, vmeta = verified
-        m, T = self.memory, self.width
+        m, T = self.memory, width
         B = drafts.shape[0]
         logits = out.logits.view(B, T, -1)
         scored = penalize(logits, inp, drafts) if penalized else logits
         scored = scored if bitmask is None else mask_logits(scored, bitmask)
-        if u_sim is not None:      # benchmark mode: the profile decides; bonus = target argmax
-            acc = self.simulate.accepted(u_sim[:, :self.gamma], inp["verify_ctr"])
+        if self.simulate is not None:   # benchmark mode: the profile's coins decide how many
+            # of the w - 1 verified drafts are accepted; bonus = target argmax
+            acc = (self.simulate.accepted(u_sim, inp["verify_ctr"]) if u_sim is not None
+                   else torch.zeros_like(inp["prefix"]))
             bonus = scored.argmax(-1).gather(1, acc[:, None])[:, 0]
         else:
             u = None
-            if not greedy_only:
-                u = torch.cat([uniforms(inp["seed"], inp["verify_ctr"], Stream.COIN, self.gamma),
-                               uniforms(inp["seed"], inp["verify_ctr"], Stream.BONUS, 1)], dim=1)
+            if not greedy_only:   # coin j is the same at every width (COIN column j)
+                bonus_u = uniforms(inp["seed"], inp["verify_ctr"], Stream.BONUS, 1)
+                u = bonus_u if T == 1 else torch.cat(
+                    [uniforms(inp["seed"], inp["verify_ctr"], Stream.COIN, self.gamma)[:, :T - 1],
+                     bonus_u], dim=1)
             acc, bonus = verify_block(drafts, scored, q, inp["temperature"], inp["top_k"],
                                       inp["top_p"], inp["min_p"], u, greedy_only=greedy_only,
                                       filters=filters)
 
-        if m.mamba is not None:
+        if m.mamba is not None and T > 1:     # width 1 decoded: its state is committed
             m.mamba.commit_verify(inp["slot"], acc)
         self.draft.write_context(out.aux_hidden, vmeta.positions, vmeta.out_slots, self.pool)
-        toks = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, acc[:, None], bonus[:, None])
+        toks = torch.cat([drafts, bonus[:, None]], dim=1).scatter(1, acc[:, None], bonus[:, None])
         if penalized:
             kept = torch.arange(T, device=toks.device)[None] <= acc[:, None]
             count_tokens(inp["pen_counts"], inp["slot"], toks, kept)
+        ewma = self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T)[:, :self.gamma].double()
         self.runner.advance_inputs(inp, bonus, acc + 1, verified=True)
         if want_top:
             lp, vals, ids = chosen_and_top(logits.reshape(B * T, -1), toks.reshape(-1),
                                            self.runner.top_n)
-            return torch.cat([acc[:, None].double(), toks.double(), lp.view(B, T).double(),
+            return torch.cat([acc[:, None].double(), toks.double(), lp.view(B, T).double(), ewma,
                               pack_top(vals.view(B, -1), ids.view(B, -1))], dim=1)
         if want_lp:
             lps = logprobs_of(logits.reshape(B * T, -1), toks.reshape(-1)).view(B, T)
         else:
             lps = torch.zeros(B, T, dtype=torch.float32, device=toks.device)
-        return torch.cat([acc[:, None].double(), toks.double(), lps.double()], dim=1)
+        return torch.cat([acc[:, None].double(), toks.double(), lps.double(), ewma], dim=1)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the draft rows: the worker's NVFP4 head copy if it made one, else
@@ -217,4 +283,5 @@ def build_spec_worker(args: EngineArgs, runner: ModelRunner, draft_backend: str,
                       dtype: torch.dtype, device: torch.device) -> SpecWorker:
     draft = load_draft(args.speculative_draft_model_path, runner.cfg, dtype, device,
                        args.speculative_num_draft_tokens, expect=args.speculative_algorithm)
-    return SpecWorker(draft, runner, draft_backend, dtype, args.speculative_draft_lm_head)
+    return SpecWorker(draft, runner, draft_backend, dtype, args.speculative_draft_lm_head,
+                      adaptive=args.speculative_adaptive)

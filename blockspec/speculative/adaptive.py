@@ -1,0 +1,146 @@
+"""Adaptive verify width: each speculative step verifies the first w - 1 drafts (w in 1..W),
+w chosen for the whole batch to maximise expected committed tokens per second.
+
+* Live acceptance (``AcceptanceEWMA``): per request slot and draft position j, an EWMA of
+  P(draft j accepted | drafts before it accepted), updated inside the step function from the
+  accept lengths (device ops only; a graph replays it). Position j is observed only when the
+  step verified it (j < w - 1) and reached it (j <= accepted drafts); the others keep their
+  value. A new request starts from an optimistic prior, so it is verified wide until its
+  acceptance is known.
+* Cost table (``CostTable``): step seconds per (padded batch, width), timed once by a few
+  replays of each captured graph on the dummy rows; without graphs an analytic shape.
+* Choice (``WidthChooser``): E[w] = 1 + sum_{i < w-1} prod_{j <= i} p_j from the batch mean
+  of the EWMA rows the last read-back step returned; argmax_w E[w] / step_time(b, w) over the
+  captured widths. Every ``probe_every``-th choice takes the next wider width instead, so
+  positions the chosen width never verifies (all of them at width 1) are measured again and
+  a batch that fell back to plain decoding finds out when its drafts recover. No host sync
+  is added: with launch-ahead, step k + 1 is launched before step k is read back, so its
+  width uses the EWMA of step k - 1.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+# graphs captured per batch size and sampling mode when adaptive (the memory / start-up budget)
+WIDTH_BUDGET = 8
+# analytic step time (graphs off): fixed cost 1, the draft forward's share, and the verify rows
+# at which a step's compute matches its weight reads (placeholder shape, not a measurement)
+DRAFT_SHARE, ROWS_KNEE = 0.15, 256.0
+PRIOR = 0.8             # a new request's acceptance at every position, before any verify
+PROBE_EVERY = 32        # every this many choices, one width wider than the best
+
+
+def candidate_widths(max_width: int, adaptive: bool, budget: int = WIDTH_BUDGET) -> tuple[int, ...]:
+    """The widths a step may run at: W alone when fixed, else 1..W, thinned to ``budget``
+    widths (denser at the low end, where acceptance decays fastest) when W is larger."""
+    if not adaptive:
+        return (max_width,)
+    if max_width <= budget:
+        return tuple(range(1, max_width + 1))
+    picks = {1 + round((max_width - 1) * (i / (budget - 1)) ** 1.5) for i in range(budget)}
+    return tuple(sorted(picks | {1, max_width}))
+
+
+def expected_tokens(p: Sequence[float], width: int) -> float:
+    """Expected committed tokens of a step at ``width`` given conditional per-position
+    acceptance ``p`` (the bonus always commits)."""
+    e, run = 1.0, 1.0
+    for j in range(width - 1):
+        run *= p[j]
+        e += run
+    return e
+
+
+class AcceptanceEWMA:
+    """Per slot, per draft position acceptance EWMA on the device ([slots, W - 1] fp32)."""
+
+    def __init__(self, slots: int, positions: int, device: torch.device, alpha: float = 0.25,
+                 prior: float = PRIOR) -> None:
+        self.alpha, self.prior = alpha, prior
+        self.table = torch.full((slots, max(positions, 1)), prior, dtype=torch.float32,
+                                device=device)
+        self._pos = torch.arange(self.table.shape[1], device=device)
+
+    def update(self, slot: torch.Tensor, verify_ctr: torch.Tensor, accepted: torch.Tensor,
+               width: int) -> torch.Tensor:
+        """Fold one step (``accepted`` drafts of ``width - 1`` verified) into the rows of
+        ``slot``; a request's first step (``verify_ctr`` 0) starts from the prior. Returns
+        the new rows [B, W - 1]."""
+        prev = torch.where(verify_ctr[:, None] == 0, torch.full_like(self.table[:1], self.prior),
+                           self.table[slot])
+        j, a = self._pos[None], accepted[:, None]
+        tested = (j <= a) & (j < width - 1)
+        hit = (j < a).to(prev.dtype)
+        new = torch.where(tested, prev + self.alpha * (hit - prev), prev)
+        self.table[slot] = new
+        return new
+
+
+class CostTable:
+    """Step seconds per (padded batch, width): measured where graphs are captured, else the
+    analytic shape (relative units; only ratios matter to the choice)."""
+
+    def __init__(self) -> None:
+        self.measured: dict[tuple[int, int], float] = {}
+
+    @staticmethod
+    def analytic(bs: int, width: int) -> float:
+        return 1.0 + (DRAFT_SHARE if width > 1 else 0.0) + bs * width / ROWS_KNEE
+
+    def measure(self, bs: int, width: int, replay: Callable[[], object], device: torch.device,
+                reps: int = 3) -> float:
+        """Time ``reps`` replays of a captured step (its inputs are the dummy rows)."""
+        replay()
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize(device)
+        self.measured[(bs, width)] = (time.perf_counter() - t0) / reps
+        return self.measured[(bs, width)]
+
+    def time(self, bs: int, width: int) -> float:
+        """Measured at the smallest measured batch >= ``bs`` with this width, else analytic
+        (a mix never happens: graphs capture every width of a size together)."""
+        sizes = sorted(s for s, w in self.measured if w == width and s >= bs)
+        return self.measured[(sizes[0], width)] if sizes else self.analytic(bs, width)
+
+
+class WidthChooser:
+    """Picks each step's width from the last read-back acceptance and the cost table.
+    ``force`` (tests, benchmarks): an iterator of widths that overrides the choice; a width
+    that is not a candidate runs at the largest candidate below it."""
+
+    def __init__(self, widths: Sequence[int], cost: CostTable, prior: float = PRIOR,
+                 probe_every: int = PROBE_EVERY) -> None:
+        self.widths = tuple(sorted(widths))
+        self.max_width = self.widths[-1]
+        self.cost = cost
+        self.p = [prior] * max(self.max_width - 1, 1)
+        self.probe_every = probe_every
+        self.force: Iterator[int] | None = None
+        self._choices = 0
+
+    def observe(self, rows: Sequence[Sequence[float]]) -> None:
+        """The EWMA rows of a read-back step's requests (batch mean per position)."""
+        if rows:
+            self.p = [sum(col) / len(rows) for col in zip(*rows)]
+
+    def fit(self, width: int) -> int:
+        """The largest candidate width <= ``width`` (at least the smallest candidate)."""
+        below = [w for w in self.widths if w <= width]
+        return below[-1] if below else self.widths[0]
+
+    def choose(self, bs: int) -> int:
+        if self.force is not None:
+            return self.fit(next(self.force))
+        if len(self.widths) == 1:
+            return self.widths[0]
+        best = max(self.widths, key=lambda w: expected_tokens(self.p, w) / self.cost.time(bs, w))
+        self._choices += 1
+        if self.probe_every and self._choices % self.probe_every == 0 and best < self.max_width:
+            return self.widths[self.widths.index(best) + 1]
+        return best

@@ -1,0 +1,299 @@
+"""Adaptive verify width: the chooser's arithmetic, the on-device acceptance EWMA, and
+losslessness at every width (greedy token-exact, sampling law by chi-square) for DFlash and
+DSpark, with forced width sequences and with the real chooser."""
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+
+import pytest
+import torch
+
+from blockspec import Engine
+from blockspec.sampling import SamplingParams
+from blockspec.speculative.adaptive import (
+    AcceptanceEWMA,
+    CostTable,
+    WidthChooser,
+    candidate_widths,
+    expected_tokens,
+)
+from tests.spec_fixtures import (
+    draft_config,
+    make_spec_target,
+    two_token_chi_square_pvalue,
+    write_draft,
+)
+from tests.test_dflash import GREEDY, HIDDEN, LAYERS, PROMPTS, VOCAB
+
+
+# ---- chooser, cost table, EWMA (no model) ------------------------------------------------------
+def _cost(W: int, bs: int = 16) -> CostTable:
+    """A GPU-like table: a fixed step cost, and verify rows that cost more as the batch grows."""
+    cost = CostTable()
+    for w in range(1, W + 1):
+        cost.measured[(bs, w)] = 1.0 + (0.2 if w > 1 else 0.0) + 0.05 * w
+    return cost
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5], 1) == 1.0
+    assert expected_tokens([0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([1.0] * 5, 6) == 6.0
+
+
+@pytest.mark.parametrize("p, want", [(0.0, 1), (0.02, 1), (1.0, 6), (0.99, 6)])
+def test_chooser_extremes(p, want):
+    chooser = WidthChooser(range(1, 7), _cost(6))
+    chooser.observe([[p] * 5, [p] * 5])
+    assert chooser.choose(16) == want
+
+
+def test_chooser_picks_the_best_ratio_and_batch_mean():
+    chooser = WidthChooser(range(1, 7), _cost(6))
+    # batch mean [0.9, 0.9, 0.1, ...]: two drafts pay, the third does not
+    chooser.observe([[1.0, 0.8, 0.1, 0.1, 0.1], [0.8, 1.0, 0.1, 0.1, 0.1]])
+    ratios = {w: expected_tokens(chooser.p, w) / _cost(6).time(16, w) for w in range(1, 7)}
+    assert chooser.choose(16) == max(ratios, key=ratios.get) == 3
+
+
+def test_chooser_probes_one_width_wider_now_and_then():
+    chooser = WidthChooser(range(1, 7), _cost(6), probe_every=4)
+    chooser.observe([[0.0] * 5])
+    assert [chooser.choose(16) for _ in range(8)] == [1, 1, 1, 2, 1, 1, 1, 2]
+    chooser.observe([[1.0] * 5])
+    assert {chooser.choose(16) for _ in range(8)} == {6}      # nothing wider to probe
+
+
+def test_forced_widths_round_down_to_candidates():
+    chooser = WidthChooser((1, 2, 4, 8), _cost(8))
+    chooser.force = iter([8, 7, 3, 1, 5])
+    assert [chooser.choose(1) for _ in range(5)] == [8, 4, 2, 1, 4]
+
+
+def test_candidate_widths():
+    assert candidate_widths(6, adaptive=False) == (6,)
+    assert candidate_widths(6, adaptive=True) == (1, 2, 3, 4, 5, 6)
+    many = candidate_widths(16, adaptive=True)
+    assert many[0] == 1 and many[-1] == 16 and len(many) <= 8 and list(many) == sorted(set(many))
+
+
+def test_cost_table_falls_back_to_the_analytic_shape():
+    cost = CostTable()
+    cost.measured[(8, 3)] = 2.0
+    assert cost.time(4, 3) == 2.0 and cost.time(8, 3) == 2.0        # the padded size's figure
+    assert cost.time(16, 3) == CostTable.analytic(16, 3)            # above every measured size
+    assert CostTable.analytic(64, 4) > CostTable.analytic(64, 2) > CostTable.analytic(64, 1)
+
+
+def test_ewma_update():
+    e = AcceptanceEWMA(slots=3, positions=4, device=torch.device("cpu"), alpha=0.5, prior=0.8)
+    slot, first = torch.tensor([0, 1]), torch.tensor([0, 0])
+    # width 4 (3 drafts verified): row 0 accepted 1 -> pos 0 hit, pos 1 missed, pos 2-3 unseen;
+    # row 1 accepted 3 -> pos 0-2 hit, pos 3 (never verified at width 4) unseen
+    new = e.update(slot, first, torch.tensor([1, 3]), width=4)
+    assert new[0].tolist() == pytest.approx([0.9, 0.4, 0.8, 0.8])
+    assert new[1].tolist() == pytest.approx([0.9, 0.9, 0.9, 0.8])
+    assert e.table[0].tolist() == pytest.approx([0.9, 0.4, 0.8, 0.8])
+    # width 1 (nothing verified): nothing changes
+    low = e.update(slot[1:], torch.tensor([1]), torch.tensor([0]), width=1)
+    assert low[0].tolist() == pytest.approx([0.9, 0.9, 0.9, 0.8])
+    # a later step of row 0 starts from its row; width 2 verifies only position 0
+    again = e.update(slot[:1], torch.tensor([5]), torch.tensor([0]), width=2)
+    assert again[0].tolist() == pytest.approx([0.45, 0.4, 0.8, 0.8])
+    # a new request in a used slot (verify counter 0) starts from the prior again
+    fresh = e.update(slot[:1], torch.tensor([0]), torch.tensor([1]), width=3)
+    assert fresh[0].tolist() == pytest.approx([0.9, 0.4, 0.8, 0.8])
+
+
+# ---- engines --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive")
+    _, folder = make_spec_target(root, offset=2.0, mix=0.3, pull=3.5)
+    ref = Engine(model_path=str(folder), device="cpu").generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    return root, folder, [o["output_ids"] for o in ref]
+
+
+def _engine(root, folder, kind, block, head="vanilla", **kw):
+    cfg = draft_config(kind, hidden=HIDDEN, vocab=VOCAB, target_layers=LAYERS, block_size=block,
+                       **({"head_type": head, "sample_from_anchor": True} if kind == "dspark" else {}))
+    draft = write_draft(root / f"ad_{kind}_{block}_{head}", cfg, std=0.05)
+    return Engine(model_path=str(folder), device="cpu", speculative_algorithm=kind.upper(),
+                  speculative_draft_model_path=str(draft), speculative_adaptive=True, **kw)
+
+
+def _widths(outs):
+    return [sum(c) for c in zip(*[o["meta_info"]["spec_width_histogram"] for o in outs])]
+
+
+@pytest.mark.parametrize("kind, block", [("dflash", 5), ("dspark", 4)])
+def test_greedy_token_exact_at_random_widths(target, kind, block):
+    root, folder, ref = target
+    e = _engine(root, folder, kind, block)
+    W = e.drafter.width
+    assert e.drafter.widths == tuple(range(1, W + 1))
+    rng = random.Random(0)
+    e.drafter.chooser.force = iter(lambda: rng.randint(1, W), None)
+    outs = e.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == ref
+    widths = _widths(outs)
+    assert all(n > 0 for n in widths), widths                       # every width ran
+    for o in outs:
+        m = o["meta_info"]
+        assert sum(m["spec_width_histogram"]) == m["spec_verify_ct"]
+
+
+@pytest.mark.parametrize("kind, block", [("dflash", 5), ("dspark", 4)])
+def test_greedy_token_exact_with_the_chooser(target, kind, block):
+    root, folder, ref = target
+    e = _engine(root, folder, kind, block)
+    outs = e.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == ref
+    assert sum(_widths(outs)) == sum(o["meta_info"]["spec_verify_ct"] for o in outs) > 0
+    # the chooser read the steps' acceptance back: its estimate left the prior
+    assert e.drafter.chooser.p != [0.8] * (e.drafter.width - 1)
+
+
+def test_fixed_width_is_pinned_to_the_maximum(target):
+    root, folder, ref = target
+    e = _engine(root, folder, "dflash", 4)
+    e.drafter.widths = (4,)          # what speculative_adaptive=False builds
+    e.drafter.chooser = WidthChooser((4,), e.drafter.cost)
+    outs = e.generate(input_ids=PROMPTS[:4], sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == ref[:4]
+    assert _widths(outs)[:3] == [0, 0, 0] and _widths(outs)[3] > 0
+
+
+def test_off_by_default(target):
+    root, folder, _ = target
+    cfg = draft_config("dflash", hidden=HIDDEN, vocab=VOCAB, target_layers=LAYERS, block_size=4)
+    draft = write_draft(root / "ad_default", cfg, std=0.05)
+    e = Engine(model_path=str(folder), device="cpu", speculative_algorithm="DFLASH",
+               speculative_draft_model_path=str(draft))
+    assert e.drafter.widths == (4,) and not e.drafter.adaptive
+
+
+@pytest.mark.parametrize("kind, block, head", [("dflash", 4, "vanilla"), ("dspark", 3, "gated")])
+def test_sampling_is_lossless_at_mixed_widths(target, kind, block, head):
+    root, folder, _ = target
+    # a prompt and temperature whose second token is far from certain (the verify decides it)
+    params = {"max_new_tokens": 2, "temperature": 1.5, "top_k": 6, "ignore_eos": True}
+    prompt, n = [2, 9, 4], 12000
+    e = _engine(root, folder, kind, block, head, max_running_requests=1000,
+                max_total_tokens=1000 * 10)
+    W = e.drafter.width
+    rng = random.Random(1)
+    e.drafter.chooser.force = iter(lambda: rng.randint(1, W), None)
+    outs = e.generate(input_ids=[prompt] * n, sampling_params=params)
+    widths = _widths(outs)
+    assert all(c > 0 for c in widths), widths       # second tokens came from every width
+    assert two_token_chi_square_pvalue(e, outs, prompt, params) > 0.01
+
+
+def test_width_metrics_and_stream_outputs(target):
+    pytest.importorskip("prometheus_client")
+    from blockspec.engine.loop import StreamOutput
+    from blockspec.server.metrics import Metrics, RequestTimer
+
+    m = Metrics(verify_width=4)
+    m.observe(RequestTimer(), StreamOutput(rid="a", token_ids=[1, 2, 3], text="", logprobs=[],
+                                           meta_info={}, accept_lengths=[1, 2],
+                                           verify_widths=[1, 3]))
+    assert m.registry.get_sample_value("blockspec_spec_verify_width_count") == 2
+    assert m.registry.get_sample_value("blockspec_spec_verify_width_sum") == 4
+    assert m.registry.get_sample_value("blockspec_spec_verify_width_bucket", {"le": "1.0"}) == 1
+    # the engine loop reports each verify's width with its accept length
+    root, folder, _ = target
+    e = _engine(root, folder, "dflash", 4)
+    e.drafter.chooser.force = itertools.cycle([1, 4])
+    outs, done = [], threading.Event()
+
+    def sink(out):
+        outs.append(out)
+        if out.finished:
+            done.set()
+
+    e.submit(PROMPTS[0], SamplingParams.from_dict({**GREEDY, "max_new_tokens": 12}), sink)
+    assert done.wait(60)
+    seen = [w for o in outs for w in o.verify_widths]
+    assert len(seen) == sum(len(o.accept_lengths) for o in outs)
+    assert all(a <= w for o in outs for a, w in zip(o.accept_lengths, o.verify_widths))
+    assert set(seen) == {1, 4}
+    e.shutdown()
+
+
+@pytest.mark.parametrize("profile", ["0,0,0", "1,1,1"])
+def test_bench_reports_widths_and_simulates_at_any_width(profile):
+    """Simulated acceptance at the chosen widths: never accepting drives the chooser to plain
+    decoding; always accepting keeps it at the widest verify, each step accepting all w - 1."""
+    import argparse
+
+    from blockspec.bench.bench_args import add_arguments
+    from blockspec.bench.engine_bench import run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--speculative-adaptive"])
+    args.__dict__.update(device="cpu", input_len=4, output_len=120, batch_size=[4], repeats=1,
+                         random_draft="dflash", speculative_num_draft_tokens=4,
+                         simulate_accept_profile=profile)
+    r = run(args)[0]
+    assert r["speculative_adaptive"] is True
+    hist = r["width_histogram"]
+    assert len(hist) == 4 and sum(hist) == sum(r["accept_histogram"])
+    if profile == "0,0,0":
+        assert r["accept_histogram"][1:] == [0, 0, 0]
+        assert r["mean_verify_width"] < 1.6 and hist[0] > sum(hist) / 2
+    else:
+        assert r["mean_verify_width"] > 3.5
+        # every step accepted all of its w - 1 drafts, whatever w was
+        assert r["accept_histogram"][:3] == hist[:3] and r["accept_histogram"][3] == hist[3]
+
+
+class _EagerGraphs:
+    """A stand-in for ``GraphRunner`` on CPU: 'capture' keeps the step closure and 'replay'
+    calls it on the static inputs, so the graph bookkeeping (one graph per width, a step
+    launched ahead at another width, the cost table per captured size) runs without CUDA."""
+
+    def __init__(self, max_bs: int) -> None:
+        from blockspec.runtime.graph_runner import capture_sizes
+
+        self.sizes, self._graphs, self.replays = capture_sizes(max_bs), {}, set()
+
+    def padded_size(self, bs):
+        return next((s for s in self.sizes if s >= bs), None)
+
+    def has(self, key):
+        return key in self._graphs
+
+    def capture(self, key, fn):
+        fn()
+        self._graphs[key] = fn
+
+    def replay(self, key):
+        self.replays.add(key)
+        return self._graphs[key]()
+
+
+@pytest.mark.parametrize("kind, block", [("dflash", 5), ("dspark", 4)])
+def test_graph_bookkeeping_per_width(target, kind, block, monkeypatch):
+    root, folder, ref = target
+
+    def measure(self, bs, width, replay, device, reps=3):   # no CUDA clock: a fixed shape
+        replay()
+        self.measured[(bs, width)] = 1.0 + 0.1 * width + 0.01 * bs * width
+
+    monkeypatch.setattr(CostTable, "measure", measure)
+    e = _engine(root, folder, kind, block, max_running_requests=16)
+    e.runner.graphs = _EagerGraphs(16)
+    e.runner.host_max_seq_len = 512    # the torch backend's context bound (graph steps set none)
+    d = e.drafter
+    rng = random.Random(0)
+    d.chooser.force = iter(lambda: rng.randint(1, d.width), None)
+    assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == ref
+    assert {k[0] for k in e.runner.graphs.replays} == {f"spec{w}" for w in d.widths}
+    assert set(d.cost.measured) == {(s, w) for s in (1, 2, 4, 8, 16) for w in d.widths}
+    d.chooser.force = None
+    assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == ref
