@@ -84,6 +84,14 @@ class Request:
         self.finish_reason, self.text, self.finished_time = None, "", None
         self.num_cached = 0
 
+    def count_verify(self, accepted: int, width: int, lookahead: int) -> None:
+        """Speculative statistics of one verify: ``accepted`` drafts at verify ``width``."""
+        self.spec_verify_ct += 1
+        for hist, i in ((self.spec_accept_histogram, accepted), (self.spec_width_histogram, width - 1)):
+            if not hist:
+                hist.extend([0] * lookahead)
+            hist[i] += 1
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

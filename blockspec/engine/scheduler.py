@@ -338,13 +338,7 @@ class Scheduler:
                 continue
             req.num_cached += a + 1
             if self.drafter is not None:
-                req.spec_verify_ct += 1
-                if not req.spec_accept_histogram:
-                    req.spec_accept_histogram = [0] * self.drafter.lookahead
-                req.spec_accept_histogram[a] += 1
-                if not req.spec_width_histogram:
-                    req.spec_width_histogram = [0] * self.drafter.lookahead
-                req.spec_width_histogram[cur.width - 1] += 1
+                req.count_verify(a, cur.width, self.drafter.lookahead)
             self._append(req, tokens, lps, tops)
             changed.append(req)
         if ahead is not None:
