@@ -18,7 +18,8 @@ E2M1 * E4M3 products. ``DECODE`` picks how the bits are made: 1 inline PTX (9 in
 interpreter, whose bf16 dot and casts are unreliable; no PTX there either). ``SWAP`` computes
 ``W @ x^T`` so that wgmma reads x from shared memory; ``SPLIT`` > 1 splits K, and the last CTA
 of each tile sums the partials (per-stream tile counters that it resets), so a call is one
-launch. The kernel uses literal constants only, no module-level values.
+launch. ``N_INNER`` (prefill) swaps the grid's axes so that a row block's N tiles are
+scheduled together and its rows of x stay in L2. The kernel uses literal constants only, no module-level values.
 """
 import triton
 import triton.language as tl
@@ -42,10 +43,14 @@ def _w4a16_v2_kernel(
     K_ITERS: tl.constexpr, PAIRS: tl.constexpr = 0, TOPK: tl.constexpr = 1,
     X_PER_PAIR: tl.constexpr = False, DEDUP: tl.constexpr = False,
     RELU2: tl.constexpr = False, DISTINCT: tl.constexpr = False, SHARED: tl.constexpr = 0,
-    SHARED_BASE: tl.constexpr = 0,
+    SHARED_BASE: tl.constexpr = 0, N_INNER: tl.constexpr = False,
 ):
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if N_INNER:  # grid (N tiles, row blocks): a row block's N tiles run side by side
+        pid_b = tl.program_id(1)
+        pid_n = tl.program_id(0)
+    else:
+        pid_b = tl.program_id(0)
+        pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     lanes = tl.arange(0, BLOCK_M)
     if PAIRS:  # block = (token, expert) pair p of ids [M tokens, TOPK] (blk_expert_ptr)
@@ -296,7 +301,10 @@ def _w4a16_v2_kernel(
         # no second kernel is needed.  fence.acq_rel.gpu in every thread (a replicated
         # one-element tensor runs the asm in all of them) plus the barrier order the
         # partials against the counter, as __threadfence() + __syncthreads() would.
-        tile = pid_b * tl.num_programs(1) + pid_n
+        if N_INNER:
+            tile = pid_b * tl.num_programs(0) + pid_n
+        else:
+            tile = pid_b * tl.num_programs(1) + pid_n
         offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         part = part_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs
         tl.store(part + pid_s.to(tl.int64) * num_tiles * (BLOCK_M * BLOCK_N), acc)

@@ -37,12 +37,16 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from blockspec.kernels.triton_loader import interpreting, load_kernels, sm_count
+from blockspec.kernels.w4a16_prefill import is_dense_prefill, is_grouped_prefill, prefill_config
+from blockspec.kernels.w4a16_reference import (  # noqa: F401 (the launchers' references)
+    grouped_w4a16_reference,
+    pair_w4a16_reference,
+    w4a16_linear_reference,
+)
 from blockspec.kernels.w4a16_tuned import check_v2_tile, tuned_config
-from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4
-from blockspec.kernels.w4a16_layout import from_kernel_layout
+from blockspec.quant.nvfp4 import GROUP_SIZE
 
 _KERNELS = Path(__file__).with_name("_w4a16_kernels.py")
 # DECODE values of the v2 kernel: pure-Triton bf16 decode, inline-PTX bf16 decode, fp32 decode
@@ -139,14 +143,17 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                k_slices: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
                maxnreg: int | None = None, pairs: dict | None = None,
-               relu2: bool = False) -> torch.Tensor:
+               relu2: bool = False, prefill: dict | None = None, swap: bool | None = None,
+               n_inner: bool | None = None) -> torch.Tensor:
     """``tables``: (expert, row0, row1) per row block for the grouped GEMM, None for dense.
     ``pairs`` (``pair_w4a16``): ``ids`` [tokens, topk], ``x_per_pair``, ``dedup``; one block
     per pair, ``num_blocks`` = pairs, ``out`` has a row per pair. ``relu2``: relu(.)^2 of
     the rounded output, in the kernel's epilogue.
 
-    Keywords left None come from ``v2_default_config``; the tuned table applies to ``v2``
-    only (the other variants are comparisons, and ``v2w`` needs its own tile shapes).
+    Keywords left None come from ``prefill`` (a large-M call's ``w4a16_prefill`` config: no
+    split-K), else ``v2_default_config``; the tuned table applies to ``v2`` only (the other
+    variants are comparisons, and ``v2w`` needs its own tile shapes). ``n_inner``: the grid
+    runs a row block's N tiles side by side.
     """
     interpret = interpreting()
     kernel = v2_kernel()
@@ -154,10 +161,13 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         cfg = v2_default_config(n, k, x.shape[0], block_m=block_m, tuned=variant == "v2")
     else:
         cfg = v2_default_config(n, k, block_m, blocks=num_blocks, tuned=variant == "v2")
+    if prefill:
+        cfg = {**cfg, "split_k": 1, "k_slices": 1, "maxnreg": None, **prefill}
     block_n = block_n or cfg["block_n"]
     block_k = block_k or cfg["block_k"]
     slices = k_slices or cfg["k_slices"]
-    swap = variant == "v2w" or (cfg["swap"] and slices == 1 and block_n % 64 == 0)
+    swap = variant == "v2w" or ((cfg["swap"] if swap is None else swap) and slices == 1
+                                and block_n % 64 == 0)
     check_v2_tile(block_n, block_k, slices)
     if swap and (slices != 1 or block_n % 64):
         raise ValueError("v2w (wgmma) needs k_slices=1 and block_n a multiple of 64")
@@ -203,7 +213,10 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                      SHARED_BASE=w3.shape[0] - pairs["shared"])
     else:
         m_arg = rows
-    kernel[(num_blocks, tiles_n, split)](
+    n_inner = bool(cfg.get("n_inner") if n_inner is None else n_inner) and num_blocks < 65536
+    extra["N_INNER"] = n_inner
+    grid = (tiles_n, num_blocks, split) if n_inner else (num_blocks, tiles_n, split)
+    kernel[grid](
         x, w3, s3, ws2, out, part, counters, *(tables or (ws2, ws2, ws2)),
         m_arg, n, k, k_per_split, num_tiles,
         x.stride(0), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), out.stride(0),
@@ -259,14 +272,17 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                  block_n: int | None = None, block_k: int | None = None,
                  k_slices: int | None = None, split_k: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 maxnreg: int | None = None, relu2: bool = False) -> torch.Tensor:
+                 maxnreg: int | None = None, relu2: bool = False, swap: bool | None = None,
+                 n_inner: bool | None = None) -> torch.Tensor:
     """``x[..., K] @ dequant(W)^T (+ bias)`` -> ``[..., N]`` in x's dtype, via the Triton kernel
     (``weight`` in the kernel layout).
 
     ``variant``: one of ``VARIANTS`` (default: ``default_variant()``); the other keywords
     override the tile configuration (``maxnreg``: a register cap per thread). ``relu2``:
     relu(.)^2 of the rounded result in the kernel's epilogue (an expert's up projection;
-    not with a bias, which is added after the kernel).
+    not with a bias, which is added after the kernel). From ``DENSE_PREFILL_ROWS`` rows on
+    the unnamed tile keywords come from ``w4a16_prefill.prefill_config`` (``swap``,
+    ``n_inner``: see ``_launch_v2``).
     """
     n, k = _check(x, weight, weight_scale)
     if relu2 and bias is not None:
@@ -284,21 +300,15 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     variant = _variant(variant)
     ws2 = weight_scale_2.reshape(1).to(torch.float32)
     w, s = weight.contiguous(), weight_scale.contiguous()
-    block_m = block_m or _builtin_v2_config(n, k, m)["block_m"]  # (not a tuned key)
+    pre = prefill_config("dense", n, k, m) if is_dense_prefill(m) else {}
+    pre_m = pre.pop("block_m", None)
+    block_m = block_m or pre_m or _builtin_v2_config(n, k, m)["block_m"]
     y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype,
-                   variant, k_slices=k_slices, maxnreg=maxnreg, relu2=relu2, **cfg)
+                   variant, k_slices=k_slices, maxnreg=maxnreg, relu2=relu2, prefill=pre,
+                   swap=swap, n_inner=n_inner, **cfg)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, n)
-
-
-def w4a16_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                           weight_scale_2: torch.Tensor,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Pure torch ``w4a16_linear`` (same arguments, kernel layout): exact fp32 dequant, cast to
-    x's dtype, ``F.linear``."""
-    w = dequantize_nvfp4(from_kernel_layout(weight), weight_scale, weight_scale_2, dtype=x.dtype)
-    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
 def expert_blocks(expert_offsets: torch.Tensor, rows: int, block_m: int
@@ -334,7 +344,8 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
                   block_k: int | None = None, k_slices: int | None = None,
                   split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, maxnreg: int | None = None,
-                  relu2: bool = False) -> torch.Tensor:
+                  relu2: bool = False, swap: bool | None = None,
+                  n_inner: bool | None = None) -> torch.Tensor:
     """MoE: ``x[T, K]`` sorted by expert; rows ``offsets[e]:offsets[e+1]`` use expert e.
 
     ``weight`` [E, N, K/2] uint8, ``weight_scale`` [E, N, K/16] E4M3, ``weight_scale_2`` [E]
@@ -342,7 +353,9 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
     experts (the MoE's stacks end in the shared expert's slices, which only the pair path
     reads).  ``blocks`` (from ``grouped_blocks``) lets the up and down projections of one MoE
     layer share the row-block table.  ``variant``, the tile keywords and ``relu2`` (an expert's
-    up projection: relu(.)^2 in the epilogue) are as in ``w4a16_linear``.
+    up projection: relu(.)^2 in the epilogue) are as in ``w4a16_linear``; from
+    ``GROUPED_PREFILL_ROWS_PER_EXPERT`` rows per expert on the unnamed ones come from
+    ``prefill_config`` (whose ``block_m`` ``grouped_blocks`` takes).
     """
     n, k = _check(x, weight, weight_scale)
     if weight.dim() != 3:
@@ -358,13 +371,16 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
     if blocks is None:
         blocks = grouped_blocks(expert_offsets.to(x.device), t)
     blk_expert, row0, row1, nb, block_m = blocks
+    experts = expert_offsets.numel() - 1
+    pre = prefill_config("grouped", n, k, t) if is_grouped_prefill(t, experts) else {}
+    pre.pop("block_m", None)  # the row blocks' own
     ws2 = weight_scale_2.reshape(e).to(torch.float32)
     cfg = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": num_warps,
            "num_stages": num_stages}
     w, s = weight.contiguous(), weight_scale.contiguous()
     return _launch_v2(x2, w, s, ws2, (blk_expert, row0, row1), nb, block_m, n, k, x.dtype,
                       _variant(variant), k_slices=k_slices, maxnreg=maxnreg,
-                      relu2=relu2, **cfg)
+                      relu2=relu2, prefill=pre, swap=swap, n_inner=n_inner, **cfg)
 
 
 # A pair tile's rows are the tokens of one expert under ``dedup`` (BLOCK_M = 16 at decode).
@@ -425,49 +441,17 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                              "distinct": distinct, "shared": shared_parts, "rows": rows})
 
 
-def pair_w4a16_reference(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
-                         weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, *,
-                         x_per_pair: bool = False, relu2: bool = False,
-                         shared_parts: int = 0) -> torch.Tensor:
-    """Pure torch ``pair_w4a16`` (same arguments, kernel layout): each output row through its
-    exactly dequantized expert."""
-    tokens, topk = ids.shape
-    e = weight.shape[0]
-    experts = ids.reshape(-1).tolist() + [e - shared_parts + s for _ in range(tokens)
-                                          for s in range(shared_parts)]
-    token_of = [p // topk for p in range(tokens * topk)] + [t for t in range(tokens)
-                                                           for _ in range(shared_parts)]
-    out = []
-    for r, ex in enumerate(experts):
-        w = dequantize_nvfp4(from_kernel_layout(weight[ex]), weight_scale[ex],
-                             weight_scale_2.reshape(-1)[ex], dtype=x.dtype)
-        row = r if x_per_pair else token_of[r]
-        out.append(F.linear(x[row:row + 1], w))
-    y = torch.cat(out) if out else x.new_empty((0, weight.shape[-2]))
-    return torch.square(F.relu(y)) if relu2 else y
-
-
-def grouped_blocks(expert_offsets: torch.Tensor, rows: int
+def grouped_blocks(expert_offsets: torch.Tensor, rows: int, *, block_m: int | None = None,
+                   shape: tuple[int, int] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """Row-block table for ``grouped_w4a16``: (expert, row0, row1, count, block_m)."""
+    """Row-block table for ``grouped_w4a16``: (expert, row0, row1, count, block_m).
+
+    ``block_m`` unnamed: at prefill sizes (``is_grouped_prefill``) the prefill table's for
+    ``shape`` = (N, K) of the first projection that uses the table (the MoE's up projection),
+    else one that fits the rows per expert."""
     e = expert_offsets.numel() - 1
-    block_m = _pick_block_m(max(1, rows // max(1, min(e, rows))))
+    if block_m is None and is_grouped_prefill(rows, e):
+        block_m = prefill_config("grouped", *(shape or (0, 0)), rows)["block_m"]
+    if block_m is None:
+        block_m = _pick_block_m(max(1, rows // max(1, min(e, rows))))
     return (*expert_blocks(expert_offsets, rows, block_m), block_m)
-
-
-def grouped_w4a16_reference(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor,
-                            weight_scale: torch.Tensor,
-                            weight_scale_2: torch.Tensor) -> torch.Tensor:
-    """Pure torch ``grouped_w4a16`` (kernel layout): each expert's rows through its exactly
-    dequantized weight."""
-    n = weight.shape[-2]
-    out = x.new_zeros((x.shape[0], n))
-    offs = [int(v) for v in expert_offsets.tolist()]
-    for e in range(weight.shape[0]):
-        a, b = offs[e], offs[e + 1]
-        if a == b:
-            continue
-        w = dequantize_nvfp4(from_kernel_layout(weight[e]), weight_scale[e],
-                             weight_scale_2.reshape(-1)[e], dtype=x.dtype)
-        out[a:b] = F.linear(x[a:b], w)
-    return out

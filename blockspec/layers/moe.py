@@ -199,7 +199,7 @@ class MoE(nn.Module):
         order, offsets = sort_by_expert(ids, len(self.experts))
         tok = order // ids.shape[1]
         x = h[tok]
-        blocks = grouped_blocks(offsets, x.shape[0])
+        blocks = grouped_blocks(offsets, x.shape[0], shape=(wu.shape[1], wu.shape[2] * 2))
         up = grouped_w4a16(x, offsets, wu, su, s2u, blocks=blocks, relu2=True)
         y = grouped_w4a16(up, offsets, wd, sd, s2d, blocks=blocks)
         return combine(y, order, w, shared, h.dtype)
