@@ -35,7 +35,15 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from blockspec.kernels import w4a16 as tw
+from blockspec.kernels.w4a16_layout import from_kernel_layout
+from blockspec.kernels.w4a16_prefill import m_bucket
+from blockspec.layers.moe import sort_by_expert_reference
+from blockspec.quant.nvfp4 import dequantize_nvfp4
 
 TOP_K, EXPERTS = 6, 128
 # name: (kind, N, K, relu2 epilogue)
@@ -129,7 +137,6 @@ class Problem:
     reference outputs, built once per worker."""
 
     def __init__(self, name, kind, n, k, relu2, experts, device, smoke):
-        import torch  # lazy: the parent never touches tensors
         self.name, self.kind, self.n, self.k, self.relu2 = name, kind, n, k, relu2
         self.e = experts if kind == "grouped" else 1
         self.device, self.smoke = device, smoke
@@ -144,13 +151,11 @@ class Problem:
             self.w, self.s, self.s2 = self.w[0], self.s[0], self.s2[0]
         self.inputs: dict[int, tuple] = {}
         self._wbf16 = None
+        self._ref = (None, None)
 
     def wbf16(self):
         """The exactly dequantized bf16 weights ([E, N, K] or [N, K])."""
         if self._wbf16 is None:
-            from blockspec.kernels.w4a16_layout import from_kernel_layout  # lazy: worker only
-            from blockspec.quant.nvfp4 import dequantize_nvfp4  # lazy: worker only
-            import torch  # lazy: worker only
             s2 = self.s2.view(-1, 1, 1) if self.kind == "grouped" else self.s2
             self._wbf16 = dequantize_nvfp4(from_kernel_layout(self.w), self.s, s2,
                                            dtype=torch.bfloat16)
@@ -161,12 +166,9 @@ class Problem:
                          (2 if self.kind == "grouped" else 1))
 
     def setup(self, tokens: int):
-        """(x, offsets or None, reference output) at ``tokens``."""
+        """(x, offsets or None) at ``tokens``."""
         if tokens in self.inputs:
             return self.inputs[tokens]
-        import torch  # lazy: worker only
-        from blockspec.kernels import w4a16 as tw  # lazy: worker only
-        from blockspec.layers.moe import sort_by_expert_reference  # lazy: worker only
         g = torch.Generator(device=self.device).manual_seed(tokens)
         dev = self.device
         h = torch.randn((tokens, self.k), device=dev, generator=g).bfloat16()
@@ -178,24 +180,28 @@ class Problem:
             ids = logits.topk(topk, dim=-1).indices
             order, offsets = sort_by_expert_reference(ids, self.e)
             x = h[order // topk].contiguous()
-            ref = tw.grouped_w4a16_reference(x, offsets, self.w, self.s, self.s2)
         else:
             x = h
-            ref = tw.w4a16_linear_reference(x, self.w, self.s, self.s2)
-        if self.relu2:
-            ref = torch.square(torch.relu(ref))
-        self.inputs[tokens] = (x, offsets, ref)
+        self.inputs[tokens] = (x, offsets)
         return self.inputs[tokens]
+
+    def reference(self, tokens: int):
+        """The torch reference output at ``tokens`` (kept for the token count in use)."""
+        if self._ref[0] != tokens:
+            x, offsets = self.setup(tokens)
+            if self.kind == "grouped":
+                ref = tw.grouped_w4a16_reference(x, offsets, self.w, self.s, self.s2)
+            else:
+                ref = tw.w4a16_linear_reference(x, self.w, self.s, self.s2)
+            self._ref = (tokens, torch.square(torch.relu(ref)) if self.relu2 else ref)
+        return self._ref[1]
 
     def flops(self, tokens: int) -> float:
         return 2.0 * self.rows(tokens) * self.n * self.k
 
     def call(self, method: str, cfg: dict | None, tokens: int):
         """A no-argument function running ``method`` (with ``cfg``) at ``tokens``."""
-        import torch  # lazy: worker only
-        from blockspec.kernels import w4a16 as tw  # lazy: worker only
-        from blockspec.quant.nvfp4 import dequantize_nvfp4  # lazy: worker only
-        x, offsets, _ = self.setup(tokens)
+        x, offsets = self.setup(tokens)
         relu = (lambda y: torch.square(torch.relu(y))) if self.relu2 else (lambda y: y)
         if method in ("w4a16", "legacy"):
             kw = {k: v for k, v in cfg.items() if k != "block_m"}
@@ -215,9 +221,9 @@ class Problem:
         s2 = self.s2.view(-1, 1, 1) if self.kind == "grouped" else self.s2
         if self.kind == "grouped":
             offs = offsets[1:].to(torch.int32)
-            gemm = lambda: relu(torch._grouped_mm(x, wb.transpose(-2, -1), offs=offs))  # noqa: E731
+            gemm = lambda: relu(torch._grouped_mm(x, wb.transpose(-2, -1), offs=offs))
         else:
-            gemm = lambda: relu(torch.matmul(x, wb.t()))  # noqa: E731
+            gemm = lambda: relu(torch.matmul(x, wb.t()))
         if method == "bf16_gemm":  # the GEMM alone, weights already bf16 (2x+ the memory)
             return gemm
         # dequant+gemm: the same bytes dequantized every call (as the checkpoint's layout)
@@ -225,7 +231,6 @@ class Problem:
 
     def legacy_config(self, tokens: int) -> dict:
         """The decode-era built-in tile at this M (what the launcher chose before prefill)."""
-        from blockspec.kernels import w4a16 as tw  # lazy: worker only
         rows = self.rows(tokens)
         if self.kind == "grouped":
             bm = tw._pick_block_m(max(1, rows // self.e))
@@ -238,7 +243,6 @@ class Problem:
 
 
 def _time_ms(fn, reps: int, device) -> float:
-    import torch  # lazy: worker only
     for _ in range(2 if reps > 3 else 1):
         fn()
     if device.type != "cuda":
@@ -268,7 +272,7 @@ def measure(p: Problem, method: str, cfg: dict | None, tokens: int, reps: int) -
     try:
         fn = p.call(method, cfg, tokens)
         y = fn()
-        ref = p.setup(tokens)[2]
+        ref = p.reference(tokens)
         rec["err"] = err = rel_err(y, ref)
         if not err <= TOL:
             rec["status"] = "mismatch"
@@ -280,26 +284,74 @@ def measure(p: Problem, method: str, cfg: dict | None, tokens: int, reps: int) -
     return rec
 
 
-def worker(args) -> None:
-    """Measures every point the --out file does not hold yet, in priority order."""
-    import torch  # lazy: the parent never imports torch
-    out = Path(args.out)
-    done = {(r["shape"], r["method"], config_key(r["config"]), r["tokens"])
-            for r in _read(out)}
-    deadline = args.deadline
-    device = torch.device("cpu" if args.smoke else "cuda")
+def plan(args, records: list[dict]) -> list[tuple[str, str, dict | None, int]]:
+    """The points of ``args.stage`` in priority order: (shape, method, config, tokens). Stage 0:
+    the lm_head check, then per shape the launcher, legacy and torch points and the stage-0
+    configs; stage 1: the stage-1 configs around each shape's best so far (``records``)."""
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     tokens = args.tokens or ([256] if args.smoke else [2048, 4096, 8192])
-    experts = 4 if args.smoke else EXPERTS
-    probs = {nm: Problem(nm, *spec, experts, device, args.smoke) for nm, spec in shapes.items()}
-    lm = Problem("lm_head", *(SMOKE_LM_HEAD if args.smoke else LM_HEAD), 1, device, args.smoke)
+    points: list[tuple[str, str, dict | None, int]] = []
+    if args.stage == 0:
+        points += [("lm_head", "launcher", None, 1), ("lm_head", "dequant+gemm", None, 1)]
+        for name in shapes:
+            for t in tokens:
+                points += [(name, m, None, t) for m in ("launcher", "dequant+gemm", "bf16_gemm")]
+                points.append((name, "legacy", "legacy", t))
+    for name, (kind, _n, k, _r) in shapes.items():
+        best = best_of(records, name) if args.stage == 1 else None
+        for cfg in stage_configs(kind, k, args.stage, best and best["config"], args.smoke):
+            points += [(name, "w4a16", cfg, t) for t in tokens]
+    return points
 
-    def point(p, method, cfg, t):
+
+def worker(args) -> None:
+    """Phase ``measure``: every point of the stage the --out file does not hold yet. Phase
+    ``compile`` (shard ``args.shard`` of ``args.shards``): runs each kernel point of the stage
+    once at its first token count, so the measuring worker finds Triton's disk cache warm."""
+    out = Path(args.out)
+    records = _read(out)
+    done = {(r["shape"], r["method"], config_key(r["config"]), r["tokens"]) for r in records}
+    device = torch.device("cpu" if args.smoke else "cuda")
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    experts = 4 if args.smoke else EXPERTS
+    probs: dict[str, Problem] = {}
+
+    def problem(name: str) -> Problem:
+        if name not in probs:
+            if name == "lm_head":
+                spec, e = (SMOKE_LM_HEAD if args.smoke else LM_HEAD), 1
+            else:
+                spec, e = shapes[name], experts
+            probs[name] = Problem(name, *spec, e, device, args.smoke)
+        return probs[name]
+
+    points = plan(args, records)
+    if args.phase == "compile":
+        seen, mine = set(), []
+        for name, method, cfg, t in points:
+            if method in ("w4a16", "legacy", "launcher") and (name, config_key(cfg)) not in seen:
+                seen.add((name, config_key(cfg)))
+                mine.append((name, method, cfg, t))
+        for name, method, cfg, t in mine[args.shard::args.shards]:
+            if time.time() > args.deadline:
+                return
+            p = problem(name)
+            try:
+                p.call(method, p.legacy_config(t) if cfg == "legacy" else cfg, t)()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 (the measuring worker records it)
+                print(f"compile {name} {config_key(cfg)}: {type(e).__name__}", flush=True)
+        return
+    for name, method, cfg, t in points:
+        p = problem(name)
+        if cfg == "legacy":
+            cfg = p.legacy_config(t)
         key = (p.name, method, config_key(cfg), t)
         if key in done:
-            return
+            continue
         done.add(key)
-        if time.time() > deadline:
+        if time.time() > args.deadline:
             rec = {"shape": p.name, "kind": p.kind, "n": p.n, "k": p.k, "tokens": t,
                    "rows": p.rows(t), "method": method, "config": cfg, "status": "skipped"}
         else:
@@ -307,23 +359,9 @@ def worker(args) -> None:
             rec = measure(p, method, cfg, t, args.reps)
         with out.open("a") as f:
             f.write(json.dumps(rec) + "\n")
-        ms = f"{rec['ms']:.3f} ms {rec['tflops']:.0f} TFLOP/s" if rec.get("ms") else ""
+        ms = f"{rec['ms']:.3f} ms {rec['tflops']:.1f} TFLOP/s" if rec.get("ms") else ""
         print(f"[{time.time() - args.start:6.1f}s] {p.name} M={t} {method} "
               f"{config_key(cfg)} {rec['status']} {ms} {rec.get('error', '')}", flush=True)
-
-    point(lm, "launcher", None, 1)
-    point(lm, "dequant+gemm", None, 1)
-    for p in probs.values():
-        for t in tokens:
-            for method in ("launcher", "dequant+gemm", "bf16_gemm"):
-                point(p, method, None, t)
-            point(p, "legacy", p.legacy_config(t), t)
-    for stage in (0, 1):
-        for p in probs.values():
-            best = best_of(_read(out), p.name)
-            for cfg in stage_configs(p.kind, p.k, stage, best and best["config"], args.smoke):
-                for t in tokens:
-                    point(p, "w4a16", cfg, t)
 
 
 # ------------------------------------------------------------------------------ parent
@@ -336,7 +374,6 @@ def _read(path: Path) -> list[dict]:
 def table_entries(records: list[dict]) -> list[str]:
     """``PREFILL_TABLE`` lines: per shape and token count its best config; routed down's at
     the block_m of routed up's best (the two share one row-block table)."""
-    from blockspec.kernels.w4a16_prefill import m_bucket  # lazy: no torch in this module
     lines = []
     for r in sorted({(r["shape"], r["tokens"]) for r in records if r["shape"] != "lm_head"}):
         shape, tokens = r
@@ -386,12 +423,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed runs per point (20)")
     ap.add_argument("--tokens", type=int, nargs="*", default=None)
     ap.add_argument("--fresh", action="store_true", help="truncate --out first")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="compile processes before each measuring stage (GPU: 12; smoke: 1)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--phase", default="measure", help=argparse.SUPPRESS)
+    ap.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--shards", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--start", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--progress", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.reps = args.reps or (2 if args.smoke else 20)
+    if args.jobs is None:
+        args.jobs = 1 if args.smoke else max(1, min(12, (os.cpu_count() or 2) - 2))
     if args.worker:
         worker(args)
         return 0
@@ -403,26 +448,37 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.smoke:
         env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--reps", str(args.reps),
-           "--deadline", str(start + args.budget_s), "--start", str(start),
-           "--progress", str(progress)] + (["--smoke"] if args.smoke else []) + (
-           ["--tokens", *map(str, args.tokens)] if args.tokens else [])
-    for attempt in range(8):
-        progress.unlink(missing_ok=True)
-        rc = subprocess.run(cmd, env=env).returncode
-        if rc == 0:
-            break
-        # The worker died: record the point it was on as failed, then go on without it.
-        key = json.loads(progress.read_text()) if progress.exists() else None
-        print(f"worker exited with {rc} (attempt {attempt + 1}) at {key}", flush=True)
-        if key is None:
-            return rc
-        shape, method, cfg, tokens = key
-        with out.open("a") as f:
-            f.write(json.dumps({"shape": shape, "kind": "?", "tokens": tokens, "rows": 0,
-                                "method": method, "config": json.loads(cfg) if cfg != "-"
-                                else None, "status": "failed",
-                                "error": f"worker died (exit {rc})"}) + "\n")
+    base = [sys.executable, __file__, "--worker", "--out", str(out), "--reps", str(args.reps),
+            "--deadline", str(start + args.budget_s), "--start", str(start),
+            "--progress", str(progress)] + (["--smoke"] if args.smoke else []) + (
+            ["--tokens", *map(str, args.tokens)] if args.tokens else [])
+    for stage in (0, 1):
+        cmd = base + ["--stage", str(stage)]
+        if args.jobs > 1:  # compile in parallel first (Triton's disk cache is shared)
+            t0 = time.time()
+            procs = [subprocess.Popen(cmd + ["--phase", "compile", "--shard", str(i),
+                                             "--shards", str(args.jobs)], env=env)
+                     for i in range(args.jobs)]
+            for proc in procs:
+                proc.wait()
+            print(f"stage {stage}: compiled in {args.jobs} processes in {time.time() - t0:.0f} s",
+                  flush=True)
+        for attempt in range(8):
+            progress.unlink(missing_ok=True)
+            rc = subprocess.run(cmd + ["--phase", "measure"], check=False, env=env).returncode
+            if rc == 0:
+                break
+            # The worker died: record the point it was on as failed, then go on without it.
+            key = json.loads(progress.read_text()) if progress.exists() else None
+            print(f"worker exited with {rc} (attempt {attempt + 1}) at {key}", flush=True)
+            if key is None:
+                return rc
+            shape, method, cfg, tokens = key
+            with out.open("a") as f:
+                f.write(json.dumps({"shape": shape, "kind": "?", "tokens": tokens, "rows": 0,
+                                    "method": method, "config": json.loads(cfg) if cfg != "-"
+                                    else None, "status": "failed",
+                                    "error": f"worker died (exit {rc})"}) + "\n")
     progress.unlink(missing_ok=True)
     report(_read(out))
     print(f"\nsweep took {time.time() - start:.0f} s; {len(_read(out))} points in {out}")
