@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from blockspec.kernels import w4a16 as tw
+from blockspec.kernels.w4a16_blocks import pick_block_m
 from blockspec.kernels.w4a16_layout import from_kernel_layout
 from blockspec.kernels.w4a16_prefill import m_bucket
 from blockspec.layers.moe import sort_by_expert_reference
@@ -51,8 +52,8 @@ SHAPES = {"routed_up": ("grouped", 1856, 2688, True), "routed_down": ("grouped",
           "shared_up": ("dense", 3712, 2688, True), "shared_down": ("dense", 2688, 3712, False)}
 LM_HEAD = ("dense", 131072, 2688, False)
 SMOKE_SHAPES = {"routed_up": ("grouped", 64, 128, True), "routed_down": ("grouped", 128, 64, False),
-                "shared_up": ("dense", 128, 128, True)}
-SMOKE_LM_HEAD = ("dense", 256, 128, False)
+                "shared_up": ("dense", 64, 128, True)}
+SMOKE_LM_HEAD = ("dense", 128, 64, False)
 TILES = ((128, 128, 8), (128, 256, 8), (64, 256, 8), (64, 128, 4), (128, 128, 4), (64, 128, 8))
 TOL = 1e-2
 
@@ -233,7 +234,7 @@ class Problem:
         """The decode-era built-in tile at this M (what the launcher chose before prefill)."""
         rows = self.rows(tokens)
         if self.kind == "grouped":
-            bm = tw._pick_block_m(max(1, rows // self.e))
+            bm = pick_block_m(max(1, rows // self.e))
             c = tw.v2_default_config(self.n, self.k, bm, blocks=rows // bm, tuned=False)
         else:
             c = tw.v2_default_config(self.n, self.k, rows, tuned=False)
@@ -281,7 +282,20 @@ def measure(p: Problem, method: str, cfg: dict | None, tokens: int, reps: int) -
         rec["tflops"] = p.flops(tokens) / (ms * 1e-3) / 1e12
     except Exception as e:  # noqa: BLE001 (a failing config is a result, not a crash)
         rec["status"], rec["error"] = "failed", f"{type(e).__name__}: {str(e)[:300]}"
+        if not _device_ok(p.device):  # a fault sticks to the context: the parent restarts us
+            rec["error"] += " (CUDA context lost)"
+            rec["fatal"] = True
     return rec
+
+
+def _device_ok(device) -> bool:
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device=device).sum().item() == 1.0
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def plan(args, records: list[dict]) -> list[tuple[str, str, dict | None, int]]:
@@ -289,7 +303,7 @@ def plan(args, records: list[dict]) -> list[tuple[str, str, dict | None, int]]:
     the lm_head check, then per shape the launcher, legacy and torch points and the stage-0
     configs; stage 1: the stage-1 configs around each shape's best so far (``records``)."""
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    tokens = args.tokens or ([256] if args.smoke else [2048, 4096, 8192])
+    tokens = args.tokens or ([128] if args.smoke else [2048, 4096, 8192])
     points: list[tuple[str, str, dict | None, int]] = []
     if args.stage == 0:
         points += [("lm_head", "launcher", None, 1), ("lm_head", "dequant+gemm", None, 1)]
@@ -297,10 +311,14 @@ def plan(args, records: list[dict]) -> list[tuple[str, str, dict | None, int]]:
             for t in tokens:
                 points += [(name, m, None, t) for m in ("launcher", "dequant+gemm", "bf16_gemm")]
                 points.append((name, "legacy", "legacy", t))
+    per_shape = []
     for name, (kind, _n, k, _r) in shapes.items():
         best = best_of(records, name) if args.stage == 1 else None
-        for cfg in stage_configs(kind, k, args.stage, best and best["config"], args.smoke):
-            points += [(name, "w4a16", cfg, t) for t in tokens]
+        per_shape.append([(name, "w4a16", cfg, t) for cfg in stage_configs(
+            kind, k, args.stage, best and best["config"], args.smoke) for t in tokens])
+    # config-major across shapes, so a budget cut trims every shape's least likely configs
+    for group in itertools.zip_longest(*per_shape):
+        points += [pt for pt in group if pt is not None]
     return points
 
 
@@ -357,11 +375,15 @@ def worker(args) -> None:
         else:
             Path(args.progress).write_text(json.dumps(list(key)))
             rec = measure(p, method, cfg, t, args.reps)
+        fatal = rec.pop("fatal", False)
         with out.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         ms = f"{rec['ms']:.3f} ms {rec['tflops']:.1f} TFLOP/s" if rec.get("ms") else ""
         print(f"[{time.time() - args.start:6.1f}s] {p.name} M={t} {method} "
               f"{config_key(cfg)} {rec['status']} {ms} {rec.get('error', '')}", flush=True)
+        if fatal:
+            Path(args.progress).unlink(missing_ok=True)
+            os._exit(3)  # no CUDA teardown on a broken context
 
 
 # ------------------------------------------------------------------------------ parent
@@ -434,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--progress", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.reps = args.reps or (2 if args.smoke else 20)
+    args.reps = args.reps or (1 if args.smoke else 20)
     if args.jobs is None:
         args.jobs = 1 if args.smoke else max(1, min(12, (os.cpu_count() or 2) - 2))
     if args.worker:
@@ -460,19 +482,30 @@ def main(argv: list[str] | None = None) -> int:
                                              "--shards", str(args.jobs)], env=env)
                      for i in range(args.jobs)]
             for proc in procs:
-                proc.wait()
+                try:
+                    proc.wait(timeout=max(10.0, start + args.budget_s - time.time()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
             print(f"stage {stage}: compiled in {args.jobs} processes in {time.time() - t0:.0f} s",
                   flush=True)
         for attempt in range(8):
             progress.unlink(missing_ok=True)
-            rc = subprocess.run(cmd + ["--phase", "measure"], check=False, env=env).returncode
+            try:  # a hung point must not outlast the budget by much
+                rc = subprocess.run(cmd + ["--phase", "measure"], check=False, env=env,
+                                    timeout=max(60.0, start + args.budget_s + 60 - time.time())
+                                    ).returncode
+            except subprocess.TimeoutExpired:
+                rc = -9
             if rc == 0:
                 break
             # The worker died: record the point it was on as failed, then go on without it.
             key = json.loads(progress.read_text()) if progress.exists() else None
             print(f"worker exited with {rc} (attempt {attempt + 1}) at {key}", flush=True)
             if key is None:
-                return rc
+                if rc == 3:  # it recorded the fault itself
+                    continue
+                break
             shape, method, cfg, tokens = key
             with out.open("a") as f:
                 f.write(json.dumps({"shape": shape, "kind": "?", "tokens": tokens, "rows": 0,

@@ -37,16 +37,17 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from blockspec.kernels.triton_loader import interpreting, load_kernels, sm_count
-from blockspec.kernels.w4a16_prefill import is_dense_prefill, is_grouped_prefill, prefill_config
-from blockspec.kernels.w4a16_reference import (  # noqa: F401 (the launchers' references)
-    grouped_w4a16_reference,
-    pair_w4a16_reference,
-    w4a16_linear_reference,
+from blockspec.kernels.w4a16_blocks import (  # noqa: F401 (grouped_blocks: the MoE's import)
+    expert_blocks,
+    grouped_blocks,
 )
+from blockspec.kernels.w4a16_layout import from_kernel_layout
+from blockspec.kernels.w4a16_prefill import is_dense_prefill, is_grouped_prefill, prefill_config
 from blockspec.kernels.w4a16_tuned import check_v2_tile, tuned_config
-from blockspec.quant.nvfp4 import GROUP_SIZE
+from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4
 
 _KERNELS = Path(__file__).with_name("_w4a16_kernels.py")
 # DECODE values of the v2 kernel: pure-Triton bf16 decode, inline-PTX bf16 decode, fp32 decode
@@ -57,10 +58,6 @@ _DEC_TRITON, _DEC_ASM, _DEC_FP32 = 0, 1, 2
 def v2_kernel():
     """The jitted v2 kernel for the current mode (compiled, or the interpreter's)."""
     return load_kernels(_KERNELS)._w4a16_v2_kernel
-
-
-def _pick_block_m(m: int) -> int:
-    return 16 if m <= 16 else (32 if m <= 32 else 64)
 
 
 def _pick_split_k(programs: int, k: int, block_k: int, sms: int, waves: float = 2.0) -> int:
@@ -311,30 +308,13 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     return y.reshape(*lead, n)
 
 
-def expert_blocks(expert_offsets: torch.Tensor, rows: int, block_m: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Row blocks of ``block_m`` that never straddle experts, built on device without a sync.
-
-    Returns (expert id, first row, end row) per block and the (upper-bound) block count; blocks
-    past the real count have first row == end row and exit at once.
-    """
-    dev = expert_offsets.device
-    offsets = expert_offsets.to(torch.int64)
-    e = offsets.numel() - 1
-    counts = offsets[1:] - offsets[:-1]
-    nblk = (counts + block_m - 1) // block_m
-    cum = torch.cumsum(nblk, 0)
-    upper = -(-rows // block_m) + min(e, rows)
-    b = torch.arange(upper, device=dev, dtype=torch.int64)
-    expert = torch.searchsorted(cum, b, right=True)
-    valid = expert < e
-    ex = torch.clamp(expert, max=e - 1)
-    first_blk = cum[ex] - nblk[ex]
-    row0 = offsets[ex] + (b - first_blk) * block_m
-    row1 = torch.minimum(row0 + block_m, offsets[ex + 1])
-    row0 = torch.where(valid, row0, torch.zeros_like(row0))
-    row1 = torch.where(valid, row1, torch.zeros_like(row1))
-    return ex.to(torch.int32), row0.to(torch.int32), row1.to(torch.int32), upper
+def w4a16_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           weight_scale_2: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure torch ``w4a16_linear`` (same arguments, kernel layout): exact fp32 dequant, cast to
+    x's dtype, ``F.linear``."""
+    w = dequantize_nvfp4(from_kernel_layout(weight), weight_scale, weight_scale_2, dtype=x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
 def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor,
@@ -441,17 +421,41 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                              "distinct": distinct, "shared": shared_parts, "rows": rows})
 
 
-def grouped_blocks(expert_offsets: torch.Tensor, rows: int, *, block_m: int | None = None,
-                   shape: tuple[int, int] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """Row-block table for ``grouped_w4a16``: (expert, row0, row1, count, block_m).
+def pair_w4a16_reference(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
+                         weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, *,
+                         x_per_pair: bool = False, relu2: bool = False,
+                         shared_parts: int = 0) -> torch.Tensor:
+    """Pure torch ``pair_w4a16`` (same arguments, kernel layout): each output row through its
+    exactly dequantized expert."""
+    tokens, topk = ids.shape
+    e = weight.shape[0]
+    experts = ids.reshape(-1).tolist() + [e - shared_parts + s for _ in range(tokens)
+                                          for s in range(shared_parts)]
+    token_of = [p // topk for p in range(tokens * topk)] + [t for t in range(tokens)
+                                                           for _ in range(shared_parts)]
+    out = []
+    for r, ex in enumerate(experts):
+        w = dequantize_nvfp4(from_kernel_layout(weight[ex]), weight_scale[ex],
+                             weight_scale_2.reshape(-1)[ex], dtype=x.dtype)
+        row = r if x_per_pair else token_of[r]
+        out.append(F.linear(x[row:row + 1], w))
+    y = torch.cat(out) if out else x.new_empty((0, weight.shape[-2]))
+    return torch.square(F.relu(y)) if relu2 else y
 
-    ``block_m`` unnamed: at prefill sizes (``is_grouped_prefill``) the prefill table's for
-    ``shape`` = (N, K) of the first projection that uses the table (the MoE's up projection),
-    else one that fits the rows per expert."""
-    e = expert_offsets.numel() - 1
-    if block_m is None and is_grouped_prefill(rows, e):
-        block_m = prefill_config("grouped", *(shape or (0, 0)), rows)["block_m"]
-    if block_m is None:
-        block_m = _pick_block_m(max(1, rows // max(1, min(e, rows))))
-    return (*expert_blocks(expert_offsets, rows, block_m), block_m)
+
+def grouped_w4a16_reference(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor,
+                            weight_scale: torch.Tensor,
+                            weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """Pure torch ``grouped_w4a16`` (kernel layout): each expert's rows through its exactly
+    dequantized weight."""
+    n = weight.shape[-2]
+    out = x.new_zeros((x.shape[0], n))
+    offs = [int(v) for v in expert_offsets.tolist()]
+    for e in range(weight.shape[0]):
+        a, b = offs[e], offs[e + 1]
+        if a == b:
+            continue
+        w = dequantize_nvfp4(from_kernel_layout(weight[e]), weight_scale[e],
+                             weight_scale_2.reshape(-1)[e], dtype=x.dtype)
+        out[a:b] = F.linear(x[a:b], w)
+    return out
