@@ -56,6 +56,8 @@ SMOKE_SHAPES = {"routed_up": ("grouped", 64, 128, True), "routed_down": ("groupe
 SMOKE_LM_HEAD = ("dense", 128, 64, False)
 TILES = ((128, 128, 8), (128, 256, 8), (64, 256, 8), (64, 128, 4), (128, 128, 4), (64, 128, 8))
 TOL = 1e-2
+POINT_TIMEOUT_S = 60.0  # one point (its compile included) running longer is hung
+PHASE_ENDS = (0.4, 0.7, 0.82, 1.0)  # fractions of --budget-s: compile 0, measure 0, 1, 1
 
 
 def config_key(cfg: dict | None) -> str:
@@ -435,6 +437,26 @@ def report(records: list[dict]) -> None:
         print(line)
 
 
+def _run_watched(cmd: list[str], env: dict, end: float, progress: Path) -> int:
+    """Exit status of a measuring worker, killed (-9) once one point has run for
+    ``POINT_TIMEOUT_S`` (a hung kernel) or the phase is 30 s past ``end``."""
+    proc = subprocess.Popen(cmd, env=env)
+    while True:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.time()
+        try:
+            stuck = now - progress.stat().st_mtime > POINT_TIMEOUT_S
+        except FileNotFoundError:
+            stuck = False
+        if stuck or now > end + 30:
+            proc.kill()
+            proc.wait()
+            return -9
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON lines, one per measurement (appended)")
@@ -471,19 +493,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         env["TRITON_INTERPRET"] = "1"
     base = [sys.executable, __file__, "--worker", "--out", str(out), "--reps", str(args.reps),
-            "--deadline", str(start + args.budget_s), "--start", str(start),
+            "--start", str(start),
             "--progress", str(progress)] + (["--smoke"] if args.smoke else []) + (
             ["--tokens", *map(str, args.tokens)] if args.tokens else [])
+    # Each phase ends by its share of the budget (compiling stage 0, measuring it, compiling and
+    # measuring stage 1), so slow compiles cannot leave nothing measured.
+    ends = [start + f * args.budget_s for f in PHASE_ENDS]
     for stage in (0, 1):
         cmd = base + ["--stage", str(stage)]
         if args.jobs > 1:  # compile in parallel first (Triton's disk cache is shared)
             t0 = time.time()
             procs = [subprocess.Popen(cmd + ["--phase", "compile", "--shard", str(i),
-                                             "--shards", str(args.jobs)], env=env)
+                                             "--shards", str(args.jobs),
+                                             "--deadline", str(ends[2 * stage])], env=env)
                      for i in range(args.jobs)]
             for proc in procs:
                 try:
-                    proc.wait(timeout=max(10.0, start + args.budget_s - time.time()))
+                    proc.wait(timeout=max(10.0, ends[2 * stage] + 30 - time.time()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
@@ -491,12 +517,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         for attempt in range(8):
             progress.unlink(missing_ok=True)
-            try:  # a hung point must not outlast the budget by much
-                rc = subprocess.run(cmd + ["--phase", "measure"], check=False, env=env,
-                                    timeout=max(60.0, start + args.budget_s + 60 - time.time())
-                                    ).returncode
-            except subprocess.TimeoutExpired:
-                rc = -9
+            rc = _run_watched(cmd + ["--phase", "measure", "--deadline",
+                                     str(ends[2 * stage + 1])], env, ends[2 * stage + 1], progress)
             if rc == 0:
                 break
             # The worker died: record the point it was on as failed, then go on without it.
