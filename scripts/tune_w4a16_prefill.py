@@ -64,7 +64,7 @@ def config_key(cfg: dict | None) -> str:
     return "-" if cfg is None else json.dumps(cfg, sort_keys=True)
 
 
-def config_problem(cfg: dict) -> str | None:
+def config_problem(cfg: dict, k: int = 0) -> str | None:
     """Why the kernel cannot run ``cfg`` (None if it can): powers of two, wgmma's N multiple of
     64, at most 128 fp32 accumulators per thread, ~200 KB of pipelined shared memory."""
     bm, bn, bk, warps, stages = (cfg[n] for n in ("block_m", "block_n", "block_k", "num_warps",
@@ -77,35 +77,41 @@ def config_problem(cfg: dict) -> str | None:
         return "more than 128 accumulators per thread"
     if stages * (bm * bk * 2 + bn * bk // 2 + bn * bk // 16) > 200 * 1024:
         return "pipelined tiles exceed ~200 KB of shared memory"
+    if cfg.get("x_perm") and k % bk:
+        return "x_perm needs K a multiple of block_k"
     return None
 
 
-def _cfg(bm, bn, bk, warps, stages, swap, n_inner) -> dict:
+def _cfg(bm, bn, bk, warps, stages, swap, n_inner, x_perm=False) -> dict:
     return {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": warps,
-            "num_stages": stages, "swap": swap, "n_inner": n_inner}
+            "num_stages": stages, "swap": swap, "n_inner": n_inner, "x_perm": x_perm}
 
 
 def stage_configs(kind: str, k: int, stage: int, best: dict | None = None,
                   smoke: bool = False) -> list[dict]:
     """Stage 0: every tile of ``TILES`` x swap at 3 stages, the K block that divides K (128 if it
-    can), N tiles innermost for grouped. Stage 1: one change at a time to ``best`` (4 stages,
-    the other K block, the other grid order, the other warps). Runnable configs only."""
+    can), N tiles innermost for grouped, and the first tile with x in stream order. Stage 1:
+    one change at a time to ``best`` (4 stages, the other K block, the other grid order, the
+    other warps, x in stream order or not). Runnable configs only."""
     bk = 128 if k % 128 == 0 else 64
     if smoke:
         out = [_cfg(64, 64, 64, 4, 2, True, kind == "grouped"),
-               _cfg(64, 128, 64, 4, 2, False, kind != "grouped")] if stage == 0 else []
+               _cfg(64, 128, 64, 4, 2, False, kind != "grouped", True)] if stage == 0 else []
     elif stage == 0:
         out = [_cfg(bm, bn, bk, w, 3, swap, kind == "grouped")
                for swap, (bm, bn, w) in itertools.product((True, False), TILES)]
+        out += [_cfg(*TILES[0][:2], bk, TILES[0][2], 3, swap, kind == "grouped", True)
+                for swap in (True, False)]
     elif best is None:
         out = []
     else:
         out = [{**best, "num_stages": 4}, {**best, "block_k": 192 - best["block_k"]},
                {**best, "n_inner": not best["n_inner"]},
-               {**best, "num_warps": 12 - best["num_warps"]}]
+               {**best, "num_warps": 12 - best["num_warps"]},
+               {**best, "x_perm": not best.get("x_perm", False)}]
     seen, keep = set(), []
     for cfg in out:
-        if config_problem(cfg) is None and config_key(cfg) not in seen:
+        if config_problem(cfg, k) is None and config_key(cfg) not in seen:
             seen.add(config_key(cfg))
             keep.append(cfg)
     return keep

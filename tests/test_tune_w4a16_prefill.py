@@ -20,11 +20,11 @@ def test_stage0_is_a_prefill_sweep(kind, k):
     cfgs = tune.stage_configs(kind, k, 0)
     assert len(cfgs) >= 8 and len({tune.config_key(c) for c in cfgs}) == len(cfgs)
     for c in cfgs:
-        assert tune.config_problem(c) is None and wp.check_prefill_config(c) == c
+        assert tune.config_problem(c, k) is None and wp.check_prefill_config(c) == c
         assert c["block_m"] in (64, 128) and c["block_n"] in (128, 256)
         assert c["block_k"] == (128 if k % 128 == 0 else 64) and c["num_stages"] == 3
         assert c["n_inner"] == (kind == "grouped")
-    assert {c["swap"] for c in cfgs} == {True, False}
+    assert {c["swap"] for c in cfgs} == {True, False} == {c["x_perm"] for c in cfgs}
 
 
 def test_stage1_changes_one_option_of_the_best():
@@ -32,7 +32,7 @@ def test_stage1_changes_one_option_of_the_best():
     around = tune.stage_configs("grouped", 2688, 1, best)
     assert around and all(sum(c[key] != best[key] for key in best) == 1 for c in around)
     assert {key for c in around for key in c if c[key] != best[key]} >= {
-        "num_stages", "block_k", "n_inner"}
+        "num_stages", "block_k", "n_inner", "x_perm"}
     assert tune.stage_configs("grouped", 2688, 1, None) == []
 
 
@@ -43,6 +43,12 @@ def test_stage1_changes_one_option_of_the_best():
 def test_config_problem(change, why):
     cfg = {**wp.DEFAULT_PREFILL["grouped"], **change}
     assert why in tune.config_problem(cfg)
+    assert tune.config_problem(wp.DEFAULT_PREFILL["grouped"]) is None
+
+
+def test_x_perm_needs_whole_k_blocks():
+    cfg = {**wp.DEFAULT_PREFILL["grouped"], "x_perm": True}
+    assert "x_perm" in tune.config_problem(cfg, 1856) and tune.config_problem(cfg, 2688) is None
 
 
 def _rec(shape, tokens, ms, **cfg):

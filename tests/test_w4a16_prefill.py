@@ -46,6 +46,25 @@ def launches(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def flags(monkeypatch):
+    """The constexpr flags of every v2 kernel launch (what the launcher really asked for)."""
+    seen = []
+    real = tw.v2_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launch = real()[grid]
+
+            def run(*args, **kw):
+                seen.append({**kw, "grid": grid})
+                return launch(*args, **kw)
+            return run
+
+    monkeypatch.setattr(tw, "v2_kernel", Spy)
+    return seen
+
+
 def test_m_bucket_and_thresholds():
     assert wp.m_bucket(1) == 512 and wp.m_bucket(2048) == 2048 and wp.m_bucket(12288) == 8192
     assert wp.m_bucket(10 ** 6) == wp.M_EDGES[-1]
@@ -97,8 +116,10 @@ def test_grouped_blocks_take_the_prefill_block_m(monkeypatch):
     {},                                                      # the defaults: 128-row tiles, swap
     {"block_m": 64, "block_n": 128, "block_k": 64, "swap": False, "n_inner": True},
     {"block_m": 64, "block_n": 64, "block_k": 128, "num_stages": 4},
+    {"block_m": 64, "block_n": 128, "block_k": 64, "x_perm": True},          # x in stream order
+    {"block_m": 32, "block_n": 64, "block_k": 128, "x_perm": True, "swap": False},
 ])
-def test_dense_prefill_interpreter(interpreter, launches, cfg):
+def test_dense_prefill_interpreter(interpreter, launches, flags, cfg):
     m, n, k = 512, 96, 256                                   # N ragged against every block_n
     p, s, s2 = _weights(n, k, seed=21)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -108,13 +129,17 @@ def test_dense_prefill_interpreter(interpreter, launches, cfg):
     (call,) = launches
     assert call["prefill"]                                   # the large-M path
     assert call["block_m"] == cfg.get("block_m", wp.DEFAULT_PREFILL["dense"]["block_m"])
+    (launch,) = flags
+    assert launch["SPLIT"] == 1 and launch["X_PERM"] == cfg.get("x_perm", False)
+    assert launch["SWAP"] == cfg.get("swap", True)
     y2 = tw.w4a16_linear(x, p, s, s2, relu2=True, **cfg)
     assert _rel(y2, torch.square(torch.relu(ref))) <= 1e-2 and bool((y2 >= 0).all())
 
 
 @needs_triton
-@pytest.mark.parametrize("n_inner, swap", [(True, True), (False, False)])
-def test_grouped_prefill_interpreter(interpreter, launches, n_inner, swap):
+@pytest.mark.parametrize("n_inner, swap, x_perm", [(True, True, False), (False, False, False),
+                                                   (True, True, True)])
+def test_grouped_prefill_interpreter(interpreter, launches, flags, n_inner, swap, x_perm):
     w, s, s2 = _weights(128, 128, seed=22, experts=3)
     counts = [150, 0, 110]                                   # >= 48 rows per expert
     offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist())
@@ -123,15 +148,19 @@ def test_grouped_prefill_interpreter(interpreter, launches, n_inner, swap):
     blocks = tw.grouped_blocks(offsets, x.shape[0], shape=(128, 128))
     assert blocks[4] == wp.DEFAULT_PREFILL["grouped"]["block_m"]
     y = tw.grouped_w4a16(x, offsets, w, s, s2, blocks=blocks, block_k=64, n_inner=n_inner,
-                         swap=swap)
+                         swap=swap, x_perm=x_perm)
     assert _rel(y, ref) <= 1e-2
     for e in (0, 2):  # each expert's rows used its own weights
         a, b = offsets[e].item(), offsets[e + 1].item()
         assert _rel(y[a:b], tw.w4a16_linear_reference(x[a:b], w[e], s[e], s2[e])) <= 1e-2
     y2 = tw.grouped_w4a16(x, offsets, w, s, s2, blocks=blocks, block_k=64, n_inner=n_inner,
-                          swap=swap, relu2=True)
+                          swap=swap, x_perm=x_perm, relu2=True)
     assert _rel(y2, torch.square(torch.relu(ref))) <= 1e-2
     assert all(c["prefill"] for c in launches) and len(launches) == 2
+    assert all(f["X_PERM"] == x_perm and f["N_INNER"] == n_inner and f["SPLIT"] == 1
+               for f in flags)
+    tiles_n = -(-128 // flags[0]["BLOCK_N"])
+    assert flags[0]["grid"][0 if n_inner else 1] == tiles_n  # N tiles on the fast axis
 
 
 @needs_triton

@@ -141,7 +141,7 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                num_warps: int | None = None, num_stages: int | None = None,
                maxnreg: int | None = None, pairs: dict | None = None,
                relu2: bool = False, prefill: dict | None = None, swap: bool | None = None,
-               n_inner: bool | None = None) -> torch.Tensor:
+               n_inner: bool | None = None, x_perm: bool | None = None) -> torch.Tensor:
     """``tables``: (expert, row0, row1) per row block for the grouped GEMM, None for dense.
     ``pairs`` (``pair_w4a16``): ``ids`` [tokens, topk], ``x_per_pair``, ``dedup``; one block
     per pair, ``num_blocks`` = pairs, ``out`` has a row per pair. ``relu2``: relu(.)^2 of
@@ -150,7 +150,8 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     Keywords left None come from ``prefill`` (a large-M call's ``w4a16_prefill`` config: no
     split-K), else ``v2_default_config``; the tuned table applies to ``v2`` only (the other
     variants are comparisons, and ``v2w`` needs its own tile shapes). ``n_inner``: the grid
-    runs a row block's N tiles side by side.
+    runs a row block's N tiles side by side; ``x_perm`` (prefill): x copied with each K
+    chunk in the kernel's stream order.
     """
     interpret = interpreting()
     kernel = v2_kernel()
@@ -179,6 +180,10 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         x = x.to(torch.bfloat16)
     if x.stride(0) % 4 or x.data_ptr() % 8:
         x = x.clone()
+    x_perm = (bool(cfg.get("x_perm") if x_perm is None else x_perm) and pairs is None
+              and slices == 1 and k % chunk == 0)
+    if x_perm:  # each K chunk in the kernel's stream order (one copy of x)
+        x = x.reshape(x.shape[0], k // chunk, chunk // 4, 4).transpose(-1, -2).reshape(-1, k)
     if weight.data_ptr() % 2:
         weight = weight.clone()
     rows = x.shape[0] if pairs is None else pairs["rows"]
@@ -211,7 +216,7 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     else:
         m_arg = rows
     n_inner = bool(cfg.get("n_inner") if n_inner is None else n_inner) and num_blocks < 65536
-    extra["N_INNER"] = n_inner
+    extra.update(N_INNER=n_inner, X_PERM=x_perm)
     grid = (tiles_n, num_blocks, split) if n_inner else (num_blocks, tiles_n, split)
     kernel[grid](
         x, w3, s3, ws2, out, part, counters, *(tables or (ws2, ws2, ws2)),
@@ -270,7 +275,7 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                  k_slices: int | None = None, split_k: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
                  maxnreg: int | None = None, relu2: bool = False, swap: bool | None = None,
-                 n_inner: bool | None = None) -> torch.Tensor:
+                 n_inner: bool | None = None, x_perm: bool | None = None) -> torch.Tensor:
     """``x[..., K] @ dequant(W)^T (+ bias)`` -> ``[..., N]`` in x's dtype, via the Triton kernel
     (``weight`` in the kernel layout).
 
@@ -279,7 +284,7 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     relu(.)^2 of the rounded result in the kernel's epilogue (an expert's up projection;
     not with a bias, which is added after the kernel). From ``DENSE_PREFILL_ROWS`` rows on
     the unnamed tile keywords come from ``w4a16_prefill.prefill_config`` (``swap``,
-    ``n_inner``: see ``_launch_v2``).
+    ``n_inner``, ``x_perm``: see ``_launch_v2``).
     """
     n, k = _check(x, weight, weight_scale)
     if relu2 and bias is not None:
@@ -302,7 +307,7 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     block_m = block_m or pre_m or _builtin_v2_config(n, k, m)["block_m"]
     y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype,
                    variant, k_slices=k_slices, maxnreg=maxnreg, relu2=relu2, prefill=pre,
-                   swap=swap, n_inner=n_inner, **cfg)
+                   swap=swap, n_inner=n_inner, x_perm=x_perm, **cfg)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, n)
@@ -325,7 +330,7 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
                   split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, maxnreg: int | None = None,
                   relu2: bool = False, swap: bool | None = None,
-                  n_inner: bool | None = None) -> torch.Tensor:
+                  n_inner: bool | None = None, x_perm: bool | None = None) -> torch.Tensor:
     """MoE: ``x[T, K]`` sorted by expert; rows ``offsets[e]:offsets[e+1]`` use expert e.
 
     ``weight`` [E, N, K/2] uint8, ``weight_scale`` [E, N, K/16] E4M3, ``weight_scale_2`` [E]
@@ -360,7 +365,8 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
     w, s = weight.contiguous(), weight_scale.contiguous()
     return _launch_v2(x2, w, s, ws2, (blk_expert, row0, row1), nb, block_m, n, k, x.dtype,
                       _variant(variant), k_slices=k_slices, maxnreg=maxnreg,
-                      relu2=relu2, prefill=pre, swap=swap, n_inner=n_inner, **cfg)
+                      relu2=relu2, prefill=pre, swap=swap, n_inner=n_inner, x_perm=x_perm,
+                      **cfg)
 
 
 # A pair tile's rows are the tokens of one expert under ``dedup`` (BLOCK_M = 16 at decode).

@@ -7,7 +7,10 @@ decode, which costs ~3.3 instructions per weight whatever M is: only a tall row 
 multiply-adds. No split-K (thousands of tiles already fill the GPU); ``swap`` keeps the
 decoded weights in registers as wgmma's A operand (x from shared memory); ``n_inner`` runs
 a row block's N tiles next to each other, so an expert's rows are read from L2 once rather
-than once per N tile (the routed x of a 2048-token chunk is larger than the L2).
+than once per N tile (the routed x of a 2048-token chunk is larger than the L2); ``x_perm``
+copies x with each K chunk in the decode's stream order, so the kernel loads x tiles straight
+into shared memory instead of unpacking 64-bit words in registers (K a multiple of
+``block_k``; else ignored).
 
 ``PREFILL_TABLE`` is keyed by ``(kind, N, K, m_bucket)``: kind ``"dense"`` (``w4a16_linear``,
 M = rows of x) or ``"grouped"`` (``grouped_w4a16``, M = (token, expert) rows of all experts),
@@ -23,13 +26,14 @@ DENSE_PREFILL_ROWS = 512
 GROUPED_PREFILL_ROWS_PER_EXPERT = 48
 # Lower edges of the M buckets (a call's bucket is the largest edge <= M; smaller M -> first).
 M_EDGES = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
-PREFILL_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "swap", "n_inner")
+PREFILL_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "swap", "n_inner",
+                "x_perm")
 
 DEFAULT_PREFILL = {
     "dense": {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8,
-              "num_stages": 3, "swap": True, "n_inner": False},
+              "num_stages": 3, "swap": True, "n_inner": False, "x_perm": False},
     "grouped": {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8,
-                "num_stages": 3, "swap": True, "n_inner": True},
+                "num_stages": 3, "swap": True, "n_inner": True, "x_perm": False},
 }
 
 # (kind, N, K, m_bucket) -> config: Lightning's shapes (routed up/down, shared expert up/down).
