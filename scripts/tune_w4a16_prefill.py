@@ -438,9 +438,11 @@ def report(records: list[dict]) -> None:
         if b:
             print(f"  {shape:12} M={tokens:5}: {b['ms']:.3f} ms {b['tflops']:.0f} TFLOP/s "
                   f"{b['method']} {config_key(b['config'])}  [{alts}]")
-    print("\nTABLE (paste into PREFILL_TABLE of blockspec/kernels/w4a16_prefill.py):")
+    print("\nTABLE (replaces PREFILL_TABLE in blockspec/kernels/w4a16_prefill.py):")
+    print("PREFILL_TABLE: dict[tuple[str, int, int, int], dict] = {")
     for line in table_entries(records):
         print(line)
+    print("}")
 
 
 def _run_watched(cmd: list[str], env: dict, end: float, progress: Path) -> int:

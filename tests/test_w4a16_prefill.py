@@ -81,7 +81,13 @@ def test_prefill_config_table_over_defaults(monkeypatch):
     monkeypatch.setitem(wp.PREFILL_TABLE, ("grouped", 1856, 2688, 8192), entry)
     got = wp.prefill_config("grouped", 1856, 2688, 12288)
     assert got["block_n"] == 256 and got["block_m"] == 64 and got["num_stages"] == 4
-    assert wp.prefill_config("grouped", 1856, 2688, 4096)["block_n"] == base["block_n"]
+    # other M take the nearest measured bucket: below if there is one, else above
+    assert wp.prefill_config("grouped", 1856, 2688, 40000)["block_n"] == 256
+    monkeypatch.setitem(wp.PREFILL_TABLE, ("grouped", 1856, 2688, 32768), {"block_n": 64})
+    assert wp.prefill_config("grouped", 1856, 2688, 40000)["block_n"] == 64
+    assert wp.prefill_config("grouped", 1856, 2688, 20000)["block_n"] == 256
+    assert wp.prefill_config("grouped", 1856, 2688, 600)["block_n"] == 256
+    assert wp.prefill_config("grouped", 2688, 1856, 12288)["block_n"] == base["block_n"]
     with pytest.raises(ValueError, match="kind"):
         wp.prefill_config("pairs", 1, 1, 1)
 

@@ -15,7 +15,8 @@ into shared memory instead of unpacking 64-bit words in registers (K a multiple 
 ``PREFILL_TABLE`` is keyed by ``(kind, N, K, m_bucket)``: kind ``"dense"`` (``w4a16_linear``,
 M = rows of x) or ``"grouped"`` (``grouped_w4a16``, M = (token, expert) rows of all experts),
 ``m_bucket`` from ``m_bucket``. ``scripts/tune_w4a16_prefill.py`` measures candidates on the
-GPU and prints the entries to paste here; a missing key takes ``DEFAULT_PREFILL``.
+GPU and prints the entries to paste here; an M between measured buckets takes the nearest
+one below (else above), a shape with none ``DEFAULT_PREFILL``.
 The decode path never reads this table: a dense call takes it from ``DENSE_PREFILL_ROWS``
 rows on, a grouped one from ``GROUPED_PREFILL_ROWS_PER_EXPERT`` rows per expert on.
 """
@@ -79,13 +80,25 @@ def check_prefill_config(cfg: dict) -> dict:
     return dict(cfg)
 
 
+def _entry(kind: str, n: int, k: int, m: int) -> dict | None:
+    """The table entry of the shape at M's bucket, else at the nearest measured bucket below
+    it, else the nearest above (a sweep at a few M covers the ones between)."""
+    measured = sorted(b for (kd, nn, kk, b) in PREFILL_TABLE if (kd, nn, kk) == (kind, n, k))
+    if not measured:
+        return None
+    want = m_bucket(m)
+    below = [b for b in measured if b <= want]
+    return PREFILL_TABLE[(kind, n, k, below[-1] if below else measured[0])]
+
+
 def prefill_config(kind: str, n: int, k: int, m: int) -> dict:
-    """The launch config of a large-M call: its table entry, else the kind's default (with the
-    K block narrowed to 64 where 128 does not divide K: a ragged K takes the masked path)."""
+    """The launch config of a large-M call: its table entry (``_entry``), else the kind's
+    default (with the K block narrowed to 64 where 128 does not divide K: a ragged K takes the
+    masked path)."""
     if kind not in DEFAULT_PREFILL:
         raise ValueError(f"prefill kind must be one of {tuple(DEFAULT_PREFILL)}, got {kind!r}")
     cfg = dict(DEFAULT_PREFILL[kind])
-    entry = PREFILL_TABLE.get((kind, n, k, m_bucket(m)))
+    entry = _entry(kind, n, k, m)
     if entry is not None:
         cfg.update(entry)
     elif k % cfg["block_k"]:
