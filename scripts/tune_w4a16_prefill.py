@@ -100,8 +100,9 @@ def stage_configs(kind: str, k: int, stage: int, best: dict | None = None,
     elif stage == 0:
         out = [_cfg(bm, bn, bk, w, 3, swap, kind == "grouped")
                for swap, (bm, bn, w) in itertools.product((True, False), TILES)]
-        out += [_cfg(*TILES[0][:2], bk, TILES[0][2], 3, swap, kind == "grouped", True)
+        perm = [_cfg(*TILES[0][:2], bk, TILES[0][2], 3, swap, kind == "grouped", True)
                 for swap in (True, False)]
+        out = out[:2] + perm + out[2:]  # likeliest first: a budget cut drops the tail
     elif best is None:
         out = []
     else:
