@@ -439,6 +439,16 @@ def report(records: list[dict]) -> None:
         if b:
             print(f"  {shape:12} M={tokens:5}: {b['ms']:.3f} ms {b['tflops']:.0f} TFLOP/s "
                   f"{b['method']} {config_key(b['config'])}  [{alts}]")
+    print("\nMoE layer per token count (routed up + down + shared up + down), ms:")
+    for tokens in sorted({r["tokens"] for r in records if r["shape"] in SHAPES}):
+        row = []
+        for label, methods in (("legacy", ("legacy",)), ("launcher", ("launcher",)),
+                               ("best", ("w4a16", "legacy", "launcher")),
+                               ("dequant+gemm", ("dequant+gemm",)), ("bf16", ("bf16_gemm",))):
+            got = [best_of(records, sh, tokens, methods=methods) for sh in SHAPES]
+            if all(got):
+                row.append(f"{label} {sum(g['ms'] for g in got):.3f}")
+        print(f"  M={tokens}: " + ", ".join(row))
     print("\nTABLE (replaces PREFILL_TABLE in blockspec/kernels/w4a16_prefill.py):")
     print("PREFILL_TABLE: dict[tuple[str, int, int, int], dict] = {")
     for line in table_entries(records):
