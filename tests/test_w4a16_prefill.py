@@ -182,3 +182,27 @@ def test_decode_sizes_skip_the_prefill_table(interpreter, launches, monkeypatch)
     got = tw.grouped_w4a16(xg, offsets, w, sw, sw2)
     assert _rel(got, tw.grouped_w4a16_reference(xg, offsets, w, sw, sw2)) <= 1e-2
     assert [c["prefill"] for c in launches] == [{}, {}]
+
+
+def test_stream_order_and_the_chunk_the_moe_gathers_in(monkeypatch):
+    x = torch.arange(2 * 128).reshape(2, 128)
+    p = tw.stream_order(x, 64)
+    assert p[0, :4].tolist() == [0, 4, 8, 12] and p[0, 16].item() == 1 and p[1, 64].item() == 192
+    assert tw.grouped_x_chunk(1856, 2688, 12288, 128) == 0          # defaults: no x_perm
+    monkeypatch.setitem(wp.PREFILL_TABLE, ("grouped", 1856, 2688, 8192),
+                        {"x_perm": True, "block_k": 128})
+    assert tw.grouped_x_chunk(1856, 2688, 12288, 128) == 128
+    assert tw.grouped_x_chunk(1856, 2688, 384, 128) == 0            # decode sizes: never
+
+
+@needs_triton
+def test_grouped_x_ordered_interpreter(interpreter, flags):
+    """x permuted by the caller (the MoE's gather) gives the launcher's own x_perm result."""
+    w, s, s2 = _weights(64, 128, seed=25, experts=2)
+    offsets = torch.tensor([0, 100, 200])
+    x = torch.randn(200, 128, generator=torch.Generator().manual_seed(6)).bfloat16()
+    ref = tw.grouped_w4a16_reference(x, offsets, w, s, s2)
+    got = tw.grouped_w4a16(tw.stream_order(x, 64), offsets, w, s, s2, block_k=64, x_ordered=64)
+    assert _rel(got, ref) <= 1e-2 and flags[-1]["X_PERM"]
+    with pytest.raises(ValueError, match="x_ordered=128"):
+        tw.grouped_w4a16(x, offsets, w, s, s2, block_k=64, x_ordered=128)

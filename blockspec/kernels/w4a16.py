@@ -141,7 +141,8 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                num_warps: int | None = None, num_stages: int | None = None,
                maxnreg: int | None = None, pairs: dict | None = None,
                relu2: bool = False, prefill: dict | None = None, swap: bool | None = None,
-               n_inner: bool | None = None, x_perm: bool | None = None) -> torch.Tensor:
+               n_inner: bool | None = None, x_perm: bool | None = None,
+               x_ordered: int = 0) -> torch.Tensor:
     """``tables``: (expert, row0, row1) per row block for the grouped GEMM, None for dense.
     ``pairs`` (``pair_w4a16``): ``ids`` [tokens, topk], ``x_per_pair``, ``dedup``; one block
     per pair, ``num_blocks`` = pairs, ``out`` has a row per pair. ``relu2``: relu(.)^2 of
@@ -151,7 +152,8 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     split-K), else ``v2_default_config``; the tuned table applies to ``v2`` only (the other
     variants are comparisons, and ``v2w`` needs its own tile shapes). ``n_inner``: the grid
     runs a row block's N tiles side by side; ``x_perm`` (prefill): x copied with each K
-    chunk in the kernel's stream order.
+    chunk in the kernel's stream order; ``x_ordered`` = C: x already is (``stream_order(x, C)``),
+    C must be the config's K block.
     """
     interpret = interpreting()
     kernel = v2_kernel()
@@ -182,8 +184,13 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         x = x.clone()
     x_perm = (bool(cfg.get("x_perm") if x_perm is None else x_perm) and pairs is None
               and slices == 1 and k % chunk == 0)
-    if x_perm:  # each K chunk in the kernel's stream order (one copy of x)
-        x = x.reshape(x.shape[0], k // chunk, chunk // 4, 4).transpose(-1, -2).reshape(-1, k)
+    if x_ordered:
+        if x_ordered != chunk or slices != 1 or k % chunk or pairs is not None:
+            raise ValueError(f"x_ordered={x_ordered}: x in stream order needs K blocks of "
+                             f"{x_ordered} with no K slices (the config has {block_k} x {slices})")
+        x_perm = True
+    elif x_perm:  # each K chunk in the kernel's stream order (one copy of x)
+        x = stream_order(x, chunk)
     if weight.data_ptr() % 2:
         weight = weight.clone()
     rows = x.shape[0] if pairs is None else pairs["rows"]
@@ -330,7 +337,8 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
                   split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, maxnreg: int | None = None,
                   relu2: bool = False, swap: bool | None = None,
-                  n_inner: bool | None = None, x_perm: bool | None = None) -> torch.Tensor:
+                  n_inner: bool | None = None, x_perm: bool | None = None,
+                  x_ordered: int = 0) -> torch.Tensor:
     """MoE: ``x[T, K]`` sorted by expert; rows ``offsets[e]:offsets[e+1]`` use expert e.
 
     ``weight`` [E, N, K/2] uint8, ``weight_scale`` [E, N, K/16] E4M3, ``weight_scale_2`` [E]
@@ -340,7 +348,8 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
     layer share the row-block table.  ``variant``, the tile keywords and ``relu2`` (an expert's
     up projection: relu(.)^2 in the epilogue) are as in ``w4a16_linear``; from
     ``GROUPED_PREFILL_ROWS_PER_EXPERT`` rows per expert on the unnamed ones come from
-    ``prefill_config`` (whose ``block_m`` ``grouped_blocks`` takes).
+    ``prefill_config`` (whose ``block_m`` ``grouped_blocks`` takes). ``x_ordered``: x is
+    already in the kernel's stream order for K blocks of that size (``grouped_x_chunk``).
     """
     n, k = _check(x, weight, weight_scale)
     if weight.dim() != 3:
@@ -366,7 +375,23 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
     return _launch_v2(x2, w, s, ws2, (blk_expert, row0, row1), nb, block_m, n, k, x.dtype,
                       _variant(variant), k_slices=k_slices, maxnreg=maxnreg,
                       relu2=relu2, prefill=pre, swap=swap, n_inner=n_inner, x_perm=x_perm,
-                      **cfg)
+                      x_ordered=x_ordered, **cfg)
+
+
+def stream_order(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``x`` [rows, K] with each ``chunk`` of K in the kernel's stream order (element 4i + r of
+    a chunk at r * chunk / 4 + i): what ``x_perm`` reads. A copy."""
+    rows, k = x.shape
+    return x.reshape(rows, k // chunk, chunk // 4, 4).transpose(-1, -2).reshape(rows, k)
+
+
+def grouped_x_chunk(n: int, k: int, rows: int, experts: int) -> int:
+    """The K block whose stream order a prefill-sized ``grouped_w4a16`` wants x in (its config
+    has ``x_perm``), else 0: a caller that gathers x anyway permutes it there for free."""
+    if not is_grouped_prefill(rows, experts):
+        return 0
+    cfg = prefill_config("grouped", n, k, rows)
+    return cfg["block_k"] if cfg.get("x_perm") and k % cfg["block_k"] == 0 else 0
 
 
 # A pair tile's rows are the tokens of one expert under ``dedup`` (BLOCK_M = 16 at decode).
