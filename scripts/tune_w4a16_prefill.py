@@ -15,6 +15,8 @@ swap first, then stages / K block / grid order / warps around each shape's best)
 torch alternatives (dequantize the weights to bf16, then ``torch._grouped_mm`` or
 ``torch.matmul``; the GEMM alone is timed too). Every point is checked once against the torch
 reference (rel err <= 1e-2), then timed with CUDA events: median of ``--reps`` after warm-up.
+``x_perm`` points include the copy of x into stream order, except for routed up, whose x the
+MoE gathers in that order anyway (``x_ordered``).
 
 A worker process does the measuring and appends one JSON line per point to ``--out``; a
 config whose compile or launch fails is recorded as failed, and if the worker dies (a fault
@@ -217,15 +219,23 @@ class Problem:
             kw = {k: v for k, v in cfg.items() if k != "block_m"}
             if self.kind == "grouped":
                 blocks = tw.grouped_blocks(offsets, x.shape[0], block_m=cfg["block_m"])
-                return lambda: tw.grouped_w4a16(x, offsets, self.w, self.s, self.s2,
+                xo = x
+                if self.relu2 and cfg.get("x_perm") and self.k % cfg["block_k"] == 0:
+                    # the MoE's up projection gets x in stream order from its gather
+                    xo, kw = tw.stream_order(x, cfg["block_k"]), {**kw, "x_ordered":
+                                                                  cfg["block_k"]}
+                return lambda: tw.grouped_w4a16(xo, offsets, self.w, self.s, self.s2,
                                                 blocks=blocks, relu2=self.relu2, **kw)
             return lambda: tw.w4a16_linear(x, self.w, self.s, self.s2, relu2=self.relu2,
                                            block_m=cfg["block_m"], **kw)
         if method == "launcher":
             if self.kind == "grouped":
                 blocks = tw.grouped_blocks(offsets, x.shape[0], shape=(self.n, self.k))
-                return lambda: tw.grouped_w4a16(x, offsets, self.w, self.s, self.s2,
-                                                blocks=blocks, relu2=self.relu2)
+                chunk = tw.grouped_x_chunk(self.n, self.k, x.shape[0], self.e) * self.relu2
+                xo = tw.stream_order(x, chunk) if chunk else x
+                return lambda: tw.grouped_w4a16(xo, offsets, self.w, self.s, self.s2,
+                                                blocks=blocks, relu2=self.relu2,
+                                                x_ordered=chunk)
             return lambda: tw.w4a16_linear(x, self.w, self.s, self.s2, relu2=self.relu2)
         wb = self.wbf16()
         s2 = self.s2.view(-1, 1, 1) if self.kind == "grouped" else self.s2
