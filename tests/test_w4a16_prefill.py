@@ -206,3 +206,43 @@ def test_grouped_x_ordered_interpreter(interpreter, flags):
     assert _rel(got, ref) <= 1e-2 and flags[-1]["X_PERM"]
     with pytest.raises(ValueError, match="x_ordered=128"):
         tw.grouped_w4a16(x, offsets, w, s, s2, block_k=64, x_ordered=128)
+
+
+# ---------------------------------------------------------------- GPU (run on the H200)
+def _gpu_stack(n, k, experts):
+    """Random packed bytes and E4M3 scales (every bit pattern is a valid NVFP4 weight)."""
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, device="cuda",
+                      generator=g)
+    s = (torch.rand((experts, n, k // 16), device="cuda", generator=g) + 0.25).to(
+        torch.float8_e4m3fn)
+    return w, s, torch.full((experts,), 0.01, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_triton
+@pytest.mark.parametrize("cfg", [{}, {"x_perm": True}, {"swap": False},
+                                 {"block_m": 64, "block_n": 256}])
+def test_prefill_lightning_shapes_gpu(cfg):
+    """The compiled prefill path (inline-PTX decode) on the MoE's shapes: the routed up and down
+    projections over 128 experts at a 2048-token chunk's 12,288 rows, the shared expert's up."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = (torch.rand((2048, 128), device="cuda", generator=g)).topk(6, dim=-1).indices
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=128)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    for n, k in ((1856, 2688), (2688, 1856)):
+        w, s, s2 = _gpu_stack(n, k, 128)
+        x = torch.randn((2048, k), device="cuda", generator=g).bfloat16()[order // 6]
+        blocks = tw.grouped_blocks(offsets, x.shape[0], block_m=cfg.get("block_m"),
+                                   shape=(n, k))
+        kw = {key: v for key, v in cfg.items() if key != "block_m"}
+        y = tw.grouped_w4a16(x, offsets, w, s, s2, blocks=blocks, relu2=True, **kw)
+        ref = tw.grouped_w4a16_reference(x, offsets, w, s, s2)
+        assert _rel(y, torch.square(torch.relu(ref))) <= 1e-2
+    w, s, s2 = _gpu_stack(3712, 2688, 1)
+    x = torch.randn((2048, 2688), device="cuda", generator=g).bfloat16()
+    y = tw.w4a16_linear(x, w[0], s[0], s2[0], **cfg)
+    assert _rel(y, tw.w4a16_linear_reference(x, w[0], s[0], s2[0])) <= 1e-2
