@@ -73,6 +73,14 @@ def test_m_bucket_and_thresholds():
     assert wp.is_grouped_prefill(12288, 128) and not wp.is_grouped_prefill(384, 128)
 
 
+def test_wide_dense_needs_a_table_entry(monkeypatch):
+    """An output head at hundreds of rows (a speculative verify) keeps its built-in tiles until
+    the table names its shape."""
+    assert wp.is_dense_prefill(2048, 3712, 2688) and not wp.is_dense_prefill(2048, 131072, 2688)
+    monkeypatch.setitem(wp.PREFILL_TABLE, ("dense", 131072, 2688, 2048), {"block_n": 256})
+    assert wp.is_dense_prefill(600, 131072, 2688)
+
+
 def test_prefill_config_table_over_defaults(monkeypatch):
     base = wp.prefill_config("grouped", 1856, 2688, 12288)
     assert base == wp.DEFAULT_PREFILL["grouped"]

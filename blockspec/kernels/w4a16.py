@@ -309,7 +309,7 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     variant = _variant(variant)
     ws2 = weight_scale_2.reshape(1).to(torch.float32)
     w, s = weight.contiguous(), weight_scale.contiguous()
-    pre = prefill_config("dense", n, k, m) if is_dense_prefill(m) else {}
+    pre = prefill_config("dense", n, k, m) if is_dense_prefill(m, n, k) else {}
     pre_m = pre.pop("block_m", None)
     block_m = block_m or pre_m or _builtin_v2_config(n, k, m)["block_m"]
     y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype,

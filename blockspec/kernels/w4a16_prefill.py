@@ -18,13 +18,15 @@ M = rows of x) or ``"grouped"`` (``grouped_w4a16``, M = (token, expert) rows of 
 GPU and prints the entries to paste here; an M between measured buckets takes the nearest
 one below (else above), a shape with none ``DEFAULT_PREFILL``.
 The decode path never reads this table: a dense call takes it from ``DENSE_PREFILL_ROWS``
-rows on, a grouped one from ``GROUPED_PREFILL_ROWS_PER_EXPERT`` rows per expert on.
+rows on (an N of ``WIDE_N`` or more, an output head, only where the table names its shape), a
+grouped one from ``GROUPED_PREFILL_ROWS_PER_EXPERT`` rows per expert on.
 """
 from __future__ import annotations
 
 # Below these a call keeps the decode-era configs (w4a16_tuned.py and the built-ins).
 DENSE_PREFILL_ROWS = 512
 GROUPED_PREFILL_ROWS_PER_EXPERT = 48
+WIDE_N = 8192  # dense N from which the decode-era built-ins stay unless the table names it
 # Lower edges of the M buckets (a call's bucket is the largest edge <= M; smaller M -> first).
 M_EDGES = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 PREFILL_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "swap", "n_inner",
@@ -51,8 +53,13 @@ def m_bucket(m: int) -> int:
     return label
 
 
-def is_dense_prefill(m: int) -> bool:
-    return m >= DENSE_PREFILL_ROWS
+def is_dense_prefill(m: int, n: int = 0, k: int = 0) -> bool:
+    """``m`` rows are a prefill call; a wide N (an output head, which speculative decoding
+    also runs at hundreds of rows) only where the table has an entry for its (N, K): the
+    built-in tiles were tuned for it."""
+    if m < DENSE_PREFILL_ROWS:
+        return False
+    return n < WIDE_N or any(key[:3] == ("dense", n, k) for key in PREFILL_TABLE)
 
 
 def is_grouped_prefill(rows: int, experts: int) -> bool:
