@@ -18,7 +18,11 @@ E2M1 * E4M3 products. ``DECODE`` picks how the bits are made: 1 inline PTX (9 in
 interpreter, whose bf16 dot and casts are unreliable; no PTX there either). ``SWAP`` computes
 ``W @ x^T`` so that wgmma reads x from shared memory; ``SPLIT`` > 1 splits K, and the last CTA
 of each tile sums the partials (per-stream tile counters that it resets), so a call is one
-launch. The kernel uses literal constants only, no module-level values.
+launch. ``N_INNER`` (prefill) swaps the grid's axes so that a row block's N tiles are
+scheduled together and its rows of x stay in L2. ``X_PERM`` (prefill) reads x with each
+K chunk already in stream order (``x[4i + r]`` at ``r * CHUNK / 4 + i``, permuted by the
+launcher), so the four x tiles are plain loads that go to shared memory as they are, with no
+unpacking in registers. The kernel uses literal constants only, no module-level values.
 """
 import triton
 import triton.language as tl
@@ -42,10 +46,15 @@ def _w4a16_v2_kernel(
     K_ITERS: tl.constexpr, PAIRS: tl.constexpr = 0, TOPK: tl.constexpr = 1,
     X_PER_PAIR: tl.constexpr = False, DEDUP: tl.constexpr = False,
     RELU2: tl.constexpr = False, DISTINCT: tl.constexpr = False, SHARED: tl.constexpr = 0,
-    SHARED_BASE: tl.constexpr = 0,
+    SHARED_BASE: tl.constexpr = 0, N_INNER: tl.constexpr = False,
+    X_PERM: tl.constexpr = False,
 ):
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if N_INNER:  # grid (N tiles, row blocks): a row block's N tiles run side by side
+        pid_b = tl.program_id(1)
+        pid_n = tl.program_id(0)
+    else:
+        pid_b = tl.program_id(0)
+        pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     lanes = tl.arange(0, BLOCK_M)
     if PAIRS:  # block = (token, expert) pair p of ids [M tokens, TOPK] (blk_expert_ptr)
@@ -156,7 +165,11 @@ def _w4a16_v2_kernel(
         kg = jg[None, :]
         w_ptrs = w_base + cols64[:, None] * (stride_wn // 2) + kq
         s_ptrs = s_base + cols64[:, None] * stride_sn + kg
-        x_ptrs = x_base + rows64[:, None] * (stride_xm // 4) + kq
+        if X_PERM:  # bf16 elements (int16 bits in the interpreter): stream r is contiguous
+            xe_base = x_ptr.to(tl.pointer_type(tl.int16)) if DECODE == 2 else x_ptr
+            x_ptrs = xe_base + rows64[:, None] * stride_xm + kq
+        else:
+            x_ptrs = x_base + rows64[:, None] * (stride_xm // 4) + kq
         wmask = nmask[:, None]
         xmask = rmask[:, None]
         if SWAP:
@@ -168,7 +181,7 @@ def _w4a16_v2_kernel(
     k_len = tl.minimum(K, k_start + k_per_split) - k_start
     w_ptrs += k_start // 4
     s_ptrs += k_start // 16 // (4 if SCALE_WORDS else 1)
-    x_ptrs += k_start // 4
+    x_ptrs += k_start if X_PERM else k_start // 4
     # (The interpreter's range() needs a Python int: K_ITERS, with MASK_K for the rest.)
     for it in range(0, K_ITERS if DECODE == 2 else (k_len + CHUNK - 1) // CHUNK):
         if MASK_K:  # K is not a multiple of the chunk (odd shapes only)
@@ -176,18 +189,30 @@ def _w4a16_v2_kernel(
             wq = tl.load(w_ptrs, mask=wmask & (kq < k_left // 4), other=0)
             sb = tl.load(s_ptrs, mask=wmask & (kg < k_left // (64 if SCALE_WORDS else 16)),
                          other=0)
-            xq = tl.load(x_ptrs, mask=xmask & (kq < k_left // 4), other=0)
+            xkm = xmask & (kq < k_left // 4)
+            if not X_PERM:
+                xq = tl.load(x_ptrs, mask=xkm, other=0)
         elif EVEN_N:  # no weight mask at all, so the loads vectorize
             wq = tl.load(w_ptrs)
             sb = tl.load(s_ptrs)
-            xq = tl.load(x_ptrs, mask=xmask, other=0)
+            if not X_PERM:
+                xq = tl.load(x_ptrs, mask=xmask, other=0)
         else:
             wq = tl.load(w_ptrs, mask=wmask, other=0)
             sb = tl.load(s_ptrs, mask=wmask, other=0)
-            xq = tl.load(x_ptrs, mask=xmask, other=0)
+            if not X_PERM:
+                xq = tl.load(x_ptrs, mask=xmask, other=0)
+        if X_PERM:  # the launcher put each chunk's K in stream order: 4 plain tiles of x
+            xm = xkm if MASK_K else xmask
+            x0 = tl.load(x_ptrs, mask=xm, other=0)
+            x1 = tl.load(x_ptrs + QK, mask=xm, other=0)
+            x2 = tl.load(x_ptrs + 2 * QK, mask=xm, other=0)
+            x3 = tl.load(x_ptrs + 3 * QK, mask=xm, other=0)
+            x_ptrs += CHUNK
+        else:
+            x_ptrs += CHUNK // 4
         w_ptrs += CHUNK // 4
         s_ptrs += CHUNK // (64 if SCALE_WORDS else 16)
-        x_ptrs += CHUNK // 4
         if SCALE_WORDS:  # bytes of each word, in order: join/reshape stay in registers
             sb = tl.join(tl.join(sb & 0xFF, (sb >> 16) & 0xFF),
                          tl.join((sb >> 8) & 0xFF, (sb >> 24) & 0xFF))
@@ -247,7 +272,13 @@ def _w4a16_v2_kernel(
                 w2 = (b2 << 16).to(tl.float32, bitcast=True) * sf
                 w3 = (b3 << 16).to(tl.float32, bitcast=True) * sf
         # x element 4i + r of each int64 word: the same K order as weight stream r.
-        if DECODE == 2:
+        if X_PERM:
+            if DECODE == 2:  # int16 bits -> fp32 (bf16 bits << 16)
+                x0 = ((x0.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+                x1 = ((x1.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+                x2 = ((x2.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+                x3 = ((x3.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        elif DECODE == 2:
             x0 = ((xq & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
             x1 = (((xq >> 16) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
             x2 = (((xq >> 32) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
@@ -296,7 +327,10 @@ def _w4a16_v2_kernel(
         # no second kernel is needed.  fence.acq_rel.gpu in every thread (a replicated
         # one-element tensor runs the asm in all of them) plus the barrier order the
         # partials against the counter, as __threadfence() + __syncthreads() would.
-        tile = pid_b * tl.num_programs(1) + pid_n
+        if N_INNER:
+            tile = pid_b * tl.num_programs(0) + pid_n
+        else:
+            tile = pid_b * tl.num_programs(1) + pid_n
         offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         part = part_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs
         tl.store(part + pid_s.to(tl.int64) * num_tiles * (BLOCK_M * BLOCK_N), acc)

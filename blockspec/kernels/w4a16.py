@@ -40,9 +40,14 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.kernels.triton_loader import interpreting, load_kernels, sm_count
+from blockspec.kernels.w4a16_blocks import (  # noqa: F401 (grouped_blocks: the MoE's import)
+    expert_blocks,
+    grouped_blocks,
+)
+from blockspec.kernels.w4a16_layout import from_kernel_layout
+from blockspec.kernels.w4a16_prefill import is_dense_prefill, is_grouped_prefill, prefill_config
 from blockspec.kernels.w4a16_tuned import check_v2_tile, tuned_config
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4
-from blockspec.kernels.w4a16_layout import from_kernel_layout
 
 _KERNELS = Path(__file__).with_name("_w4a16_kernels.py")
 # DECODE values of the v2 kernel: pure-Triton bf16 decode, inline-PTX bf16 decode, fp32 decode
@@ -53,10 +58,6 @@ _DEC_TRITON, _DEC_ASM, _DEC_FP32 = 0, 1, 2
 def v2_kernel():
     """The jitted v2 kernel for the current mode (compiled, or the interpreter's)."""
     return load_kernels(_KERNELS)._w4a16_v2_kernel
-
-
-def _pick_block_m(m: int) -> int:
-    return 16 if m <= 16 else (32 if m <= 32 else 64)
 
 
 def _pick_split_k(programs: int, k: int, block_k: int, sms: int, waves: float = 2.0) -> int:
@@ -139,14 +140,20 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                k_slices: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
                maxnreg: int | None = None, pairs: dict | None = None,
-               relu2: bool = False) -> torch.Tensor:
+               relu2: bool = False, prefill: dict | None = None, swap: bool | None = None,
+               n_inner: bool | None = None, x_perm: bool | None = None,
+               x_ordered: int = 0) -> torch.Tensor:
     """``tables``: (expert, row0, row1) per row block for the grouped GEMM, None for dense.
     ``pairs`` (``pair_w4a16``): ``ids`` [tokens, topk], ``x_per_pair``, ``dedup``; one block
     per pair, ``num_blocks`` = pairs, ``out`` has a row per pair. ``relu2``: relu(.)^2 of
     the rounded output, in the kernel's epilogue.
 
-    Keywords left None come from ``v2_default_config``; the tuned table applies to ``v2``
-    only (the other variants are comparisons, and ``v2w`` needs its own tile shapes).
+    Keywords left None come from ``prefill`` (a large-M call's ``w4a16_prefill`` config: no
+    split-K), else ``v2_default_config``; the tuned table applies to ``v2`` only (the other
+    variants are comparisons, and ``v2w`` needs its own tile shapes). ``n_inner``: the grid
+    runs a row block's N tiles side by side; ``x_perm`` (prefill): x copied with each K
+    chunk in the kernel's stream order; ``x_ordered`` = C: x already is (``stream_order(x, C)``),
+    C must be the config's K block.
     """
     interpret = interpreting()
     kernel = v2_kernel()
@@ -154,10 +161,13 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         cfg = v2_default_config(n, k, x.shape[0], block_m=block_m, tuned=variant == "v2")
     else:
         cfg = v2_default_config(n, k, block_m, blocks=num_blocks, tuned=variant == "v2")
+    if prefill:
+        cfg = {**cfg, "split_k": 1, "k_slices": 1, "maxnreg": None, **prefill}
     block_n = block_n or cfg["block_n"]
     block_k = block_k or cfg["block_k"]
     slices = k_slices or cfg["k_slices"]
-    swap = variant == "v2w" or (cfg["swap"] and slices == 1 and block_n % 64 == 0)
+    swap = variant == "v2w" or ((cfg["swap"] if swap is None else swap) and slices == 1
+                                and block_n % 64 == 0)
     check_v2_tile(block_n, block_k, slices)
     if swap and (slices != 1 or block_n % 64):
         raise ValueError("v2w (wgmma) needs k_slices=1 and block_n a multiple of 64")
@@ -172,6 +182,15 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         x = x.to(torch.bfloat16)
     if x.stride(0) % 4 or x.data_ptr() % 8:
         x = x.clone()
+    x_perm = (bool(cfg.get("x_perm") if x_perm is None else x_perm) and pairs is None
+              and slices == 1 and k % chunk == 0)
+    if x_ordered:
+        if x_ordered != chunk or slices != 1 or k % chunk or pairs is not None:
+            raise ValueError(f"x_ordered={x_ordered}: x in stream order needs K blocks of "
+                             f"{x_ordered} with no K slices (the config has {block_k} x {slices})")
+        x_perm = True
+    elif x_perm:  # each K chunk in the kernel's stream order (one copy of x)
+        x = stream_order(x, chunk)
     if weight.data_ptr() % 2:
         weight = weight.clone()
     rows = x.shape[0] if pairs is None else pairs["rows"]
@@ -203,7 +222,10 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                      SHARED_BASE=w3.shape[0] - pairs["shared"])
     else:
         m_arg = rows
-    kernel[(num_blocks, tiles_n, split)](
+    n_inner = bool(cfg.get("n_inner") if n_inner is None else n_inner) and num_blocks < 65536
+    extra.update(N_INNER=n_inner, X_PERM=x_perm)
+    grid = (tiles_n, num_blocks, split) if n_inner else (num_blocks, tiles_n, split)
+    kernel[grid](
         x, w3, s3, ws2, out, part, counters, *(tables or (ws2, ws2, ws2)),
         m_arg, n, k, k_per_split, num_tiles,
         x.stride(0), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), out.stride(0),
@@ -259,14 +281,17 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                  block_n: int | None = None, block_k: int | None = None,
                  k_slices: int | None = None, split_k: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 maxnreg: int | None = None, relu2: bool = False) -> torch.Tensor:
+                 maxnreg: int | None = None, relu2: bool = False, swap: bool | None = None,
+                 n_inner: bool | None = None, x_perm: bool | None = None) -> torch.Tensor:
     """``x[..., K] @ dequant(W)^T (+ bias)`` -> ``[..., N]`` in x's dtype, via the Triton kernel
     (``weight`` in the kernel layout).
 
     ``variant``: one of ``VARIANTS`` (default: ``default_variant()``); the other keywords
     override the tile configuration (``maxnreg``: a register cap per thread). ``relu2``:
     relu(.)^2 of the rounded result in the kernel's epilogue (an expert's up projection;
-    not with a bias, which is added after the kernel).
+    not with a bias, which is added after the kernel). From ``DENSE_PREFILL_ROWS`` rows on
+    the unnamed tile keywords come from ``w4a16_prefill.prefill_config`` (``swap``,
+    ``n_inner``, ``x_perm``: see ``_launch_v2``).
     """
     n, k = _check(x, weight, weight_scale)
     if relu2 and bias is not None:
@@ -284,9 +309,12 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     variant = _variant(variant)
     ws2 = weight_scale_2.reshape(1).to(torch.float32)
     w, s = weight.contiguous(), weight_scale.contiguous()
-    block_m = block_m or _builtin_v2_config(n, k, m)["block_m"]  # (not a tuned key)
+    pre = prefill_config("dense", n, k, m) if is_dense_prefill(m, n, k) else {}
+    pre_m = pre.pop("block_m", None)
+    block_m = block_m or pre_m or _builtin_v2_config(n, k, m)["block_m"]
     y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype,
-                   variant, k_slices=k_slices, maxnreg=maxnreg, relu2=relu2, **cfg)
+                   variant, k_slices=k_slices, maxnreg=maxnreg, relu2=relu2, prefill=pre,
+                   swap=swap, n_inner=n_inner, x_perm=x_perm, **cfg)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, n)
@@ -301,32 +329,6 @@ def w4a16_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
-def expert_blocks(expert_offsets: torch.Tensor, rows: int, block_m: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Row blocks of ``block_m`` that never straddle experts, built on device without a sync.
-
-    Returns (expert id, first row, end row) per block and the (upper-bound) block count; blocks
-    past the real count have first row == end row and exit at once.
-    """
-    dev = expert_offsets.device
-    offsets = expert_offsets.to(torch.int64)
-    e = offsets.numel() - 1
-    counts = offsets[1:] - offsets[:-1]
-    nblk = (counts + block_m - 1) // block_m
-    cum = torch.cumsum(nblk, 0)
-    upper = -(-rows // block_m) + min(e, rows)
-    b = torch.arange(upper, device=dev, dtype=torch.int64)
-    expert = torch.searchsorted(cum, b, right=True)
-    valid = expert < e
-    ex = torch.clamp(expert, max=e - 1)
-    first_blk = cum[ex] - nblk[ex]
-    row0 = offsets[ex] + (b - first_blk) * block_m
-    row1 = torch.minimum(row0 + block_m, offsets[ex + 1])
-    row0 = torch.where(valid, row0, torch.zeros_like(row0))
-    row1 = torch.where(valid, row1, torch.zeros_like(row1))
-    return ex.to(torch.int32), row0.to(torch.int32), row1.to(torch.int32), upper
-
-
 def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor,
                   weight_scale: torch.Tensor, weight_scale_2: torch.Tensor, *,
                   blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None = None,
@@ -334,7 +336,9 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
                   block_k: int | None = None, k_slices: int | None = None,
                   split_k: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, maxnreg: int | None = None,
-                  relu2: bool = False) -> torch.Tensor:
+                  relu2: bool = False, swap: bool | None = None,
+                  n_inner: bool | None = None, x_perm: bool | None = None,
+                  x_ordered: int = 0) -> torch.Tensor:
     """MoE: ``x[T, K]`` sorted by expert; rows ``offsets[e]:offsets[e+1]`` use expert e.
 
     ``weight`` [E, N, K/2] uint8, ``weight_scale`` [E, N, K/16] E4M3, ``weight_scale_2`` [E]
@@ -342,7 +346,10 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
     experts (the MoE's stacks end in the shared expert's slices, which only the pair path
     reads).  ``blocks`` (from ``grouped_blocks``) lets the up and down projections of one MoE
     layer share the row-block table.  ``variant``, the tile keywords and ``relu2`` (an expert's
-    up projection: relu(.)^2 in the epilogue) are as in ``w4a16_linear``.
+    up projection: relu(.)^2 in the epilogue) are as in ``w4a16_linear``; from
+    ``GROUPED_PREFILL_ROWS_PER_EXPERT`` rows per expert on the unnamed ones come from
+    ``prefill_config`` (whose ``block_m`` ``grouped_blocks`` takes). ``x_ordered``: x is
+    already in the kernel's stream order for K blocks of that size (``grouped_x_chunk``).
     """
     n, k = _check(x, weight, weight_scale)
     if weight.dim() != 3:
@@ -358,13 +365,33 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
     if blocks is None:
         blocks = grouped_blocks(expert_offsets.to(x.device), t)
     blk_expert, row0, row1, nb, block_m = blocks
+    experts = expert_offsets.numel() - 1
+    pre = prefill_config("grouped", n, k, t) if is_grouped_prefill(t, experts) else {}
+    pre.pop("block_m", None)  # the row blocks' own
     ws2 = weight_scale_2.reshape(e).to(torch.float32)
     cfg = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": num_warps,
            "num_stages": num_stages}
     w, s = weight.contiguous(), weight_scale.contiguous()
     return _launch_v2(x2, w, s, ws2, (blk_expert, row0, row1), nb, block_m, n, k, x.dtype,
                       _variant(variant), k_slices=k_slices, maxnreg=maxnreg,
-                      relu2=relu2, **cfg)
+                      relu2=relu2, prefill=pre, swap=swap, n_inner=n_inner, x_perm=x_perm,
+                      x_ordered=x_ordered, **cfg)
+
+
+def stream_order(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``x`` [rows, K] with each ``chunk`` of K in the kernel's stream order (element 4i + r of
+    a chunk at r * chunk / 4 + i): what ``x_perm`` reads. A copy."""
+    rows, k = x.shape
+    return x.reshape(rows, k // chunk, chunk // 4, 4).transpose(-1, -2).reshape(rows, k)
+
+
+def grouped_x_chunk(n: int, k: int, rows: int, experts: int) -> int:
+    """The K block whose stream order a prefill-sized ``grouped_w4a16`` wants x in (its config
+    has ``x_perm``), else 0: a caller that gathers x anyway permutes it there for free."""
+    if not is_grouped_prefill(rows, experts):
+        return 0
+    cfg = prefill_config("grouped", n, k, rows)
+    return cfg["block_k"] if cfg.get("x_perm") and k % cfg["block_k"] == 0 else 0
 
 
 # A pair tile's rows are the tokens of one expert under ``dedup`` (BLOCK_M = 16 at decode).
@@ -445,14 +472,6 @@ def pair_w4a16_reference(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tenso
         out.append(F.linear(x[row:row + 1], w))
     y = torch.cat(out) if out else x.new_empty((0, weight.shape[-2]))
     return torch.square(F.relu(y)) if relu2 else y
-
-
-def grouped_blocks(expert_offsets: torch.Tensor, rows: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """Row-block table for ``grouped_w4a16``: (expert, row0, row1, count, block_m)."""
-    e = expert_offsets.numel() - 1
-    block_m = _pick_block_m(max(1, rows // max(1, min(e, rows))))
-    return (*expert_blocks(expert_offsets, rows, block_m), block_m)
 
 
 def grouped_w4a16_reference(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor,

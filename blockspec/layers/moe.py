@@ -33,7 +33,7 @@ from blockspec.kernels.relu2 import relu2 as relu2_kernel, relu2_reference
 from blockspec.kernels.router_gemv import router_logits_reference, router_partials
 from blockspec.kernels.triton_loader import triton_available, use_triton
 from blockspec.kernels.w4a16 import (PAIR_DEDUP_MAX_TOKENS, grouped_blocks, grouped_w4a16,
-                                     pair_w4a16)
+                                     grouped_x_chunk, pair_w4a16, stream_order)
 from blockspec.layers.linear import Linear, QuantPlan, build_linear
 from blockspec.configs.nemotron_h import NemotronHConfig
 from blockspec.quant.linear import NVFP4Linear, stack_nvfp4_experts
@@ -198,9 +198,11 @@ class MoE(nn.Module):
         (wu, su, s2u), (wd, sd, s2d) = self._grouped     # offsets skip the shared slices
         order, offsets = sort_by_expert(ids, len(self.experts))
         tok = order // ids.shape[1]
-        x = h[tok]
-        blocks = grouped_blocks(offsets, x.shape[0])
-        up = grouped_w4a16(x, offsets, wu, su, s2u, blocks=blocks, relu2=True)
+        n, k = wu.shape[1], wu.shape[2] * 2
+        chunk = grouped_x_chunk(n, k, ids.numel(), len(self.experts))  # x_perm: in the gather
+        x = (stream_order(h.reshape(-1, k), chunk) if chunk else h)[tok]
+        blocks = grouped_blocks(offsets, x.shape[0], shape=(n, k))
+        up = grouped_w4a16(x, offsets, wu, su, s2u, blocks=blocks, relu2=True, x_ordered=chunk)
         y = grouped_w4a16(up, offsets, wd, sd, s2d, blocks=blocks)
         return combine(y, order, w, shared, h.dtype)
 
