@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from blockspec.bench.timing import event_time_ms
 from blockspec.kernels.causal_conv import causal_conv1d
 from blockspec.kernels.ssd_scan import PRECISIONS, ssd_scan
 from blockspec.layers.mamba2 import ssd_chunked_scan
@@ -22,18 +22,8 @@ from blockspec.layers.mamba2 import ssd_chunked_scan
 H, P, N, G, Q, K = 64, 64, 128, 8, 128, 4
 
 
-def timed(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def timed(fn) -> float:
+    return event_time_ms(fn, 20, torch.device("cuda"))
 
 
 def scan_flops(T: int) -> int:

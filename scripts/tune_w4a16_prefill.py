@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from blockspec.bench.timing import event_time_ms
 from blockspec.kernels import w4a16 as tw
 from blockspec.kernels.w4a16_blocks import pick_block_m
 from blockspec.kernels.w4a16_layout import from_kernel_layout
@@ -262,28 +263,6 @@ class Problem:
                     bool(c["swap"]), False)
 
 
-def _time_ms(fn, reps: int, device) -> float:
-    for _ in range(2 if reps > 3 else 1):
-        fn()
-    if device.type != "cuda":
-        t = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            t.append((time.perf_counter() - t0) * 1e3)
-        return sorted(t)[len(t) // 2]
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 def measure(p: Problem, method: str, cfg: dict | None, tokens: int, reps: int) -> dict:
     """One point: run once and check against the reference, then time it."""
     rec = {"shape": p.name, "kind": p.kind, "n": p.n, "k": p.k, "experts": p.e,
@@ -297,7 +276,7 @@ def measure(p: Problem, method: str, cfg: dict | None, tokens: int, reps: int) -
         if not err <= TOL:
             rec["status"] = "mismatch"
             return rec
-        rec["ms"] = ms = _time_ms(fn, reps, p.device)
+        rec["ms"] = ms = event_time_ms(fn, reps, p.device, warmup=2 if reps > 3 else 1)
         rec["tflops"] = p.flops(tokens) / (ms * 1e-3) / 1e12
     except Exception as e:  # noqa: BLE001 (a failing config is a result, not a crash)
         rec["status"], rec["error"] = "failed", f"{type(e).__name__}: {str(e)[:300]}"

@@ -29,6 +29,7 @@ import torch
 from blockspec.bench.engine_bench import _sync, build_engine
 from blockspec.bench.flops import prefill_flops
 from blockspec.bench.prefill_breakdown import breakdown, format_table
+from blockspec.bench.timing import event_time_ms
 
 
 def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int | None = None,
@@ -39,22 +40,8 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int | None = None
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
-    for _ in range(3):
-        torch.matmul(a, b)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.matmul(a, b)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            torch.matmul(a, b)
-            times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / statistics.median(times) / 1e12, n
+    ms = event_time_ms(lambda: torch.matmul(a, b), reps, device)
+    return 2 * n ** 3 / (ms / 1e3) / 1e12, n
 
 
 def _prompt(vocab: int, length: int, seed: int) -> list[int]:

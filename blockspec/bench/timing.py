@@ -1,8 +1,10 @@
-"""Timing GPU work as it runs in serving: inside a CUDA graph, so launch gaps count as they do
-in a captured step and the host's launch cost does not."""
+"""Timing device work: inside a CUDA graph (``graph_time_ms``), as it runs in a captured step,
+so launch gaps count as they do there and the host's launch cost does not; or call by call
+(``event_time_ms``), as eager prefill work runs."""
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -33,4 +35,28 @@ def graph_time_ms(fn: Callable[[], object], calls: int, reps: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def event_time_ms(fn: Callable[[], object], reps: int, device: torch.device,
+                  warmup: int = 3) -> float:
+    """Median ms of ``reps`` calls of ``fn`` after ``warmup``: CUDA events around each call on
+    CUDA, wall time elsewhere (where the ops are synchronous)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)

@@ -318,25 +318,24 @@ class EngineLoop:
 
     @staticmethod
     def _new_accepts(live: _Live) -> list[int]:
-        """Tokens committed by each verify since the last output (from the cumulative histogram)."""
-        hist = live.req.spec_accept_histogram
-        if not hist:
-            return []
-        prev = live.histogram or [0] * len(hist)
-        out = [a + 1 for a, (n, m) in enumerate(zip(hist, prev)) for _ in range(n - m)]
-        live.histogram = list(hist)
+        """Tokens committed by each verify since the last output."""
+        out, live.histogram = _new_since(live.req.spec_accept_histogram, live.histogram)
         return out
 
     @staticmethod
     def _new_widths(live: _Live) -> list[int]:
-        """The verify width of each step since the last output (cumulative histogram)."""
-        hist = live.req.spec_width_histogram
-        if not hist:
-            return []
-        prev = live.widths or [0] * len(hist)
-        out = [w + 1 for w, (n, m) in enumerate(zip(hist, prev)) for _ in range(n - m)]
-        live.widths = list(hist)
+        """The verify width of each step since the last output."""
+        out, live.widths = _new_since(live.req.spec_width_histogram, live.widths)
         return out
 
     def _send(self, live: _Live, out: StreamOutput) -> None:
         self._outbox.append((live, out))
+
+
+def _new_since(hist: list[int], seen: list[int] | None) -> tuple[list[int], list[int] | None]:
+    """From a cumulative histogram (count per value - 1) and the copy taken at the last output:
+    the values added since, one per event in value order, and the copy to keep now."""
+    if not hist:
+        return [], seen
+    prev = seen or [0] * len(hist)
+    return [v + 1 for v, (n, m) in enumerate(zip(hist, prev)) for _ in range(n - m)], list(hist)
