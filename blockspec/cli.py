@@ -4,7 +4,8 @@
   serve         OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)
   bench         decode benchmark (tok/s, step time, achieved weight GB/s) or, with
                 --prefill, TTFT and prefill tok/s against the compute floor; with
-                --itl-under-prefill, running streams' ITL while a long prompt prefills
+                --itl-under-prefill, running streams' ITL while a long prompt prefills;
+                with --prefix-cache, a multi-turn or agentic workload with the cache on and off
   quantize      dense Nemotron-H folder -> ModelOpt-layout W4A16_NVFP4 / NVFP4 / FP8 / mixed folder
   train-target  train the demo Nemotron-H target on GSM8K-format data
   train-draft   train a DFlash / DSpark draft for a target
@@ -125,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "Decode benchmark on a model folder or a random model: prints one JSON line per "
                 "row. --prefill measures TTFT and prefill tok/s per --input-len instead; "
                 "--itl-under-prefill the ITL of --batch-size streams while one --input-len "
-                "prompt prefills.")
+                "prompt prefills; --prefix-cache a --workload (multi-turn or agentic) with the "
+                "prefix cache on and off.")
     bench_arguments(b)
     q = command("quantize", "write a ModelOpt-format quantized checkpoint",
                 "Quantize a dense Nemotron-H folder into ModelOpt's layout.")
@@ -272,11 +274,17 @@ def _bench(ns: argparse.Namespace) -> int:
     from blockspec.bench.engine_bench import main as bench_main
     from blockspec.bench.itl_bench import main as itl_main  # lazy: as above
     from blockspec.bench.prefill_bench import main as prefill_main  # lazy: as above
+    from blockspec.bench.prefix_bench import main as prefix_main  # lazy: as above
 
-    if ns.prefill and ns.itl_under_prefill:
-        print("blockspec bench: --prefill and --itl-under-prefill are two benchmarks: give one",
+    chosen = [f for f, on in (("--prefill", ns.prefill), ("--itl-under-prefill",
+                                                          ns.itl_under_prefill),
+                              ("--prefix-cache", ns.prefix_cache)) if on]
+    if len(chosen) > 1:
+        print(f"blockspec bench: {' and '.join(chosen)} are separate benchmarks: give one",
               file=sys.stderr)
         return 2
+    if ns.prefix_cache:
+        return prefix_main(ns)
     return (prefill_main if ns.prefill else itl_main if ns.itl_under_prefill else bench_main)(ns)
 
 

@@ -14,6 +14,21 @@ PRESET_NAMES = ("lightning-mini", "nemotron-3.5-lightning", "tiny")
 RANDOM_DRAFTS = ("dflash", "dspark", "dflash-nemotron35", "dspark-nemotron35")
 
 
+class _Default(int):
+    """An int flag's default, told apart from the same value given (``given``)."""
+
+
+# --input-len / --output-len when not given: the prefix cache bench picks its own defaults
+DEFAULT_INPUT_LEN = [128]
+DEFAULT_OUTPUT_LEN = _Default(64)
+
+
+def given(args: argparse.Namespace, name: str) -> bool:
+    """Whether ``--input-len`` / ``--output-len`` was on the command line (not the default)."""
+    value = getattr(args, name)
+    return value is not DEFAULT_INPUT_LEN and not isinstance(value, _Default)
+
+
 def _int_list(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -72,9 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "vocabulary of its size; default: unconstrained")
     p.add_argument("--batch-size", type=_int_list, default=[1], metavar="N[,N...]",
                    help="sequences decoded together; a list runs each size on the same model")
-    p.add_argument("--input-len", type=_int_list, default=[128], metavar="N[,N...]",
+    p.add_argument("--input-len", type=_int_list, default=DEFAULT_INPUT_LEN, metavar="N[,N...]",
                    help="prompt tokens per sequence; a list only with --prefill (one row each)")
-    p.add_argument("--output-len", type=int, default=64, help="tokens generated per sequence")
+    p.add_argument("--output-len", type=int, default=DEFAULT_OUTPUT_LEN,
+                   help="tokens generated per sequence (with --prefix-cache: 256 for "
+                        "multi-turn, 400 for agentic)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     p.add_argument("--disable-cuda-graph", action="store_true",
@@ -103,4 +120,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--breakdown", action="store_true",
                    help="with --prefill: also split one prefill of each length by layer kind "
                         "(Mamba, attention, MoE, norms, lm_head, engine), as a table and JSON")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="measure the prefix cache: the same --workload with the cache on and off, "
+                        "on one preset (TTFT, request times, cached tokens and their ratios)")
+    p.add_argument("--workload", default="multi-turn", choices=("multi-turn", "agentic"),
+                   help="with --prefix-cache: --batch-size conversations of --turns turns whose "
+                        "history grows to --input-len (default 32768), or --num-requests "
+                        "requests on one --input-len shared prefix (default 65536) with distinct "
+                        "--suffix-len suffixes at each --concurrency")
+    p.add_argument("--turns", type=int, default=8, help="with --workload multi-turn: turns per "
+                                                         "conversation")
+    p.add_argument("--suffix-len", type=int, default=1024,
+                   help="with --workload agentic: distinct tokens after the shared prefix")
+    p.add_argument("--num-requests", type=int, default=32,
+                   help="with --workload agentic: requests (the first runs alone and fills the "
+                        "cache)")
+    p.add_argument("--concurrency", type=_int_list, default=[16], metavar="N[,N...]",
+                   help="with --workload agentic: requests kept in flight (closed loop); a list "
+                        "runs each")
+    p.add_argument("--page-size", type=int, help="with --prefix-cache: KV page tokens; default: "
+                                                 "the engine's (16)")
+    p.add_argument("--mamba-track-interval", type=int,
+                   help="with --prefix-cache: tokens between Mamba checkpoints; default: the "
+                        "engine's (256)")
+    p.add_argument("--mamba-cache-slots", type=int,
+                   help="with --prefix-cache: Mamba snapshots kept; default: the engine's")
     p.add_argument("--out", help="append the JSON lines to this file; default: print only")

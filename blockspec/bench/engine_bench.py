@@ -78,10 +78,11 @@ def _memory_bytes() -> int:
         return 0
 
 
-def build_engine(args: argparse.Namespace, max_bs: int):
-    """The engine under test: a folder, or a preset built on the device (+ a random draft)."""
+def build_engine(args: argparse.Namespace, max_bs: int, **engine_kw):
+    """The engine under test: a folder, or a preset built on the device (+ a random draft);
+    ``engine_kw`` are further EngineArgs fields (the prefix cache's, for its bench)."""
     cache = max_bs * (args.input_len + args.output_len + 64)
-    common = dict(max_running_requests=max_bs, max_total_tokens=cache,
+    common = dict(max_running_requests=max_bs, max_total_tokens=cache, **engine_kw,
                   cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph,
                   speculative_draft_lm_head=args.speculative_draft_lm_head,
                   speculative_adaptive=bool(getattr(args, "speculative_adaptive", False)))
