@@ -3,23 +3,26 @@ load their shards of a tiny checkpoint and run a prefill plus greedy decode step
 logits must equal the single-process run's (fp32) and its greedy tokens exactly."""
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import save_file
 
 from blockspec.attention.torch_native import TorchNativeAttention
 from blockspec.cache import KVPool, MambaStatePool
 from blockspec.configs.nemotron_h import ConfigError, NemotronHConfig
 from blockspec.forward_metadata import Mode
 from blockspec.models.loader import load_target
+from blockspec.models.nemotron_h import NemotronHForCausalLM
 from blockspec.models.tp_layout import rank_config, shard_for
 from blockspec.parallel import SINGLE, Shard, TPGroup, init_tp
 from blockspec.quant.quantize import quantize_checkpoint
 from blockspec.runtime.metadata import extend_metadata, uniform_metadata
-from blockspec.tiny_model import TINY_CONFIG, write_tiny_model
+from blockspec.tiny_model import TINY_CONFIG, random_state, write_tiny_model
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 120, 66, 12], [200, 31, 9, 77, 140]]
 DECODE_STEPS = 4
@@ -75,6 +78,9 @@ def _rank(rank: int, size: int, port: int, folder: str, results) -> None:
         logits, tokens = greedy_run(Path(folder), tp)
         # numpy pickles by value: a tensor would be shared through a handle that dies with us
         results.put((rank, [x.numpy() for x in logits], tokens))
+    except BaseException as e:
+        results.put((rank, None, repr(e)))
+        raise
     finally:
         torch.distributed.destroy_process_group()
 
@@ -87,10 +93,19 @@ def run_ranks(folder: Path, size: int = 2) -> list:
              for r in range(size)]
     for p in procs:
         p.start()
-    out = [results.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    out = []
+    try:
+        for _ in procs:
+            item = results.get(timeout=120)
+            assert item[1] is not None, f"rank {item[0]} failed: {item[2]}"
+            out.append(item)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:              # a rank left waiting on a failed peer
+            if p.is_alive():
+                p.terminate()
     return sorted(out, key=lambda x: x[0])
 
 
@@ -120,8 +135,29 @@ def test_tp2_matches_single_process(tiny: Path) -> None:
 def test_tp2_quantized_matches_single_process(tiny: Path, tmp_path: Path, algo: str) -> None:
     out = tmp_path / algo.lower()
     report = quantize_checkpoint(tiny, out, algo)
-    assert report.formats, "the writer quantized nothing"
+    # row-parallel projections split their packed input dimension and its scale groups
+    assert {"backbone.layers.0.mixer.out_proj", "backbone.layers.1.mixer.o_proj"} <= set(report.formats)
     _assert_equal_runs(out, atol=1e-3)
+
+
+def test_tp2_variants_match_single_process(tmp_path: Path) -> None:
+    """One KV head for two ranks (replicated), random biases on every projection (row-parallel
+    ones added once), a dense MLP block, a latent MoE and a tied head."""
+    raw = dict(TINY_CONFIG, hybrid_override_pattern="M*-E", num_key_value_heads=1,
+               attention_bias=True, mlp_bias=True, use_bias=True, moe_latent_size=32,
+               tie_word_embeddings=True)
+    cfg = NemotronHConfig.from_dict(raw)
+    state = random_state(NemotronHForCausalLM(cfg, dtype=torch.float32), seed=5)
+    g = torch.Generator().manual_seed(6)
+    biases = [n for n in state if n.endswith("proj.bias")]
+    assert any("o_proj" in n for n in biases) and any("down_proj" in n for n in biases)
+    for n in biases:
+        state[n] = torch.randn(state[n].shape, generator=g) * 0.1
+    folder = tmp_path / "variants"
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(raw))
+    _assert_equal_runs(folder, atol=1e-4)
 
 
 def test_each_rank_holds_only_its_share(tiny: Path) -> None:

@@ -8,7 +8,8 @@
 * MLP and MoE experts (routed and shared) by intermediate channels: ``up_proj`` column-,
   ``down_proj`` row-parallel; the router and a latent MoE's projections replicated;
 * ``lm_head`` by vocabulary rows (ceil(V / size) a rank, the last padded with zero rows),
-  gathered before sampling; embeddings and norms replicated.
+  gathered before sampling; embeddings and norms replicated (a tied head scores the whole
+  vocabulary with them on every rank).
 
 Each rank builds the model from ``rank_config`` (the per-rank head and channel counts, so
 layers and caches size themselves with no TP code), sums every mixer's partial output
@@ -92,7 +93,7 @@ def shard_for(name: str, cfg: NemotronHConfig, tp: TPGroup) -> Shard | None:
         return None
     kind = cfg.block_types[int(m.group(1))]
     module, _, tensor = m.group(2).rpartition(".")
-    row_bias = Shard(zero=tp.rank != 0) if tensor == "bias" else None
+    row_bias = Shard(zero=True) if tensor == "bias" and tp.rank != 0 else None
     if kind == "attention":
         hd = cfg.head_dim
         q = _split(0, cfg.num_attention_heads * hd, tp)
