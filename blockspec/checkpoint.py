@@ -15,6 +15,8 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from blockspec.parallel import Shard
+
 log = logging.getLogger("blockspec")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -162,6 +164,12 @@ class TensorSource:
     def shape(self, name: str) -> list[int]:
         return list(self._where[name].get_slice(name).get_shape())
 
+    def get_shard(self, name: str, shard: Shard) -> torch.Tensor:
+        """Only ``shard``'s part of a tensor (tensor parallelism): the file is sliced, never
+        read whole."""
+        part = self._where[name].get_slice(name)
+        return shard.read(part, list(part.get_shape()))
+
     def close(self) -> None:
         self._stack.close()
 
@@ -187,12 +195,15 @@ def _check_index(folder: Path, found: dict[str, Path]) -> None:
 
 def load_state(model: nn.Module, source: TensorSource, *,
                rename: Callable[[str], str | None] = lambda n: n,
-               what: str = "checkpoint") -> None:
+               what: str = "checkpoint",
+               shard: Callable[[str], Shard | None] = lambda n: None) -> None:
     """Copy every tensor the model expects from ``source``.
 
     ``rename`` maps a checkpoint name to a model name, or None to skip it silently. Missing
     tensors are an error listing all of them; unexpected ones are logged; a shape mismatch names
     the tensor with expected and found shapes (packed modules can describe logical shapes).
+    ``shard`` maps a model name to the part of the tensor this tensor-parallel rank holds
+    (None: all of it); only that part is read.
     """
     expected = dict(model.state_dict(keep_vars=True))
     mapping: dict[str, str] = {}
@@ -219,9 +230,15 @@ def load_state(model: nn.Module, source: TensorSource, *,
                                  disable=total < PROGRESS_BYTES):
             dest = expected[target]
             found = source.shape(name)
+            part = shard(target) if found else None
+            if part is not None:
+                found = part.local_shape(found)
             if list(dest.shape) != found:
                 raise CheckpointError(_shape_message(modules, target, list(dest.shape), found))
-            tensor = source.get(name)
+            if part is not None and part.zero:
+                dest.zero_()
+                continue
+            tensor = source.get(name) if part is None else source.get_shard(name, part)
             problem = _dtype_problem(dest.dtype, tensor.dtype)
             if problem:
                 raise CheckpointError(f"{source.file_of(name)}: tensor {name!r} {problem}")

@@ -15,6 +15,7 @@ PKG = ROOT / "blockspec"
 FLOORS = {
     0: ("configs", "cache", "kernels", "attention", "forward_metadata", "sampling", "penalties", "grammar",
         "checkpoint", "tokenizer", "staged_dir", "progress", "args", "flags", "gsm8k_data", "demo_family",
+        "parallel",
         "__init__"),
     1: ("layers", "quant"),
     2: ("models", "tiny_model"),

@@ -6,13 +6,14 @@ import logging
 from pathlib import Path
 
 import torch
-
 from torch import nn
 
 from blockspec.checkpoint import TensorSource, load_state, read_config
 from blockspec.configs.nemotron_h import NemotronHConfig
 from blockspec.layers.moe import MoE
 from blockspec.models.nemotron_h import NemotronHForCausalLM
+from blockspec.models.tp_layout import shard_for
+from blockspec.parallel import SINGLE, TPGroup
 from blockspec.quant import config as quant_config
 from blockspec.quant.linear import prepare_fp8, prepare_w4a16
 
@@ -41,8 +42,10 @@ def _head_notice(tie_word_embeddings: bool, tied: bool) -> str:
     return "output head is the folder's lm_head.weight"
 
 
-def load_target(path: str | Path, dtype: torch.dtype, device: torch.device
-                ) -> tuple[NemotronHForCausalLM, NemotronHConfig]:
+def load_target(path: str | Path, dtype: torch.dtype, device: torch.device,
+                tp: TPGroup = SINGLE) -> tuple[NemotronHForCausalLM, NemotronHConfig]:
+    """The target and its whole config; under tensor parallelism (``tp``) this rank's shard,
+    read slice by slice (``models/tp_layout.py``); its caches size by ``model.rank_cfg``."""
     folder = Path(path)
     raw = read_config(folder)
     cfg = NemotronHConfig.from_dict(raw)
@@ -52,7 +55,7 @@ def load_target(path: str | Path, dtype: torch.dtype, device: torch.device
         tie = cfg.tie_word_embeddings and "lm_head.weight" not in names
         log.info("target %s: %s", folder.name, _head_notice(cfg.tie_word_embeddings, tie))
         with torch.device(device):
-            model = NemotronHForCausalLM(cfg, quant=quant, dtype=dtype, tie_head=tie)
+            model = NemotronHForCausalLM(cfg, quant=quant, dtype=dtype, tie_head=tie, tp=tp)
         if any(n.startswith("mtp.") for n in names) or cfg.num_nextn_predict_layers:
             log.warning("checkpoint carries MTP layers (mtp.*); they are not used by blockspec")
 
@@ -63,7 +66,8 @@ def load_target(path: str | Path, dtype: torch.dtype, device: torch.device
                 return None
             return name
 
-        load_state(model, src, rename=rename, what=f"target checkpoint {folder.name}")
+        load_state(model, src, rename=rename, what=f"target checkpoint {folder.name}",
+                   shard=lambda name: shard_for(name, cfg, tp))
     prepare_quantized(model)
     model.eval()
     return model, cfg

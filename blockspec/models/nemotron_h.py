@@ -21,6 +21,8 @@ from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.mamba2 import Mamba2Mixer
 from blockspec.layers.moe import MoE, ReluSquaredMLP
 from blockspec.layers.norm import RMSNorm
+from blockspec.models.tp_layout import rank_config, vocab_rows
+from blockspec.parallel import SINGLE, TPGroup
 
 
 @dataclass
@@ -58,16 +60,21 @@ class Backbone(nn.Module):
 
 class NemotronHForCausalLM(nn.Module):
     def __init__(self, cfg: NemotronHConfig, quant: QuantPlan | None = None,
-                 dtype: torch.dtype | None = None, tie_head: bool | None = None) -> None:
+                 dtype: torch.dtype | None = None, tie_head: bool | None = None,
+                 tp: TPGroup = SINGLE) -> None:
         """``tie_head``: score with the embedding matrix instead of an ``lm_head`` of its own;
         default ``cfg.tie_word_embeddings``. The loader passes False when the folder carries an
-        ``lm_head.weight`` (transformers saves one even for tied configs, and it can differ)."""
+        ``lm_head.weight`` (transformers saves one even for tied configs, and it can differ).
+        ``cfg`` is the whole model's config; ``rank_cfg`` this rank's (what caches size by)."""
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
+        self.rank_cfg = rank_config(cfg, tp.size)
         self.tied_head = cfg.tie_word_embeddings if tie_head is None else tie_head
-        self.backbone = Backbone(cfg, quant, dtype)
-        if not self.tied_head:
-            self.lm_head = build_linear("lm_head", cfg.hidden_size, cfg.vocab_size, False, quant, dtype)
+        self.backbone = Backbone(self.rank_cfg, quant, dtype)
+        if not self.tied_head:     # a tied head scores with the replicated embeddings
+            self.lm_head = build_linear("lm_head", cfg.hidden_size, vocab_rows(cfg, tp.size),
+                                        False, quant, dtype)
         self.mamba_index = {i: n for n, i in enumerate(cfg.layer_ids("mamba"))}
         self.attn_index = {i: n for n, i in enumerate(cfg.layer_ids("attention"))}
 
@@ -79,7 +86,10 @@ class NemotronHForCausalLM(nn.Module):
         """norm_f'd hidden -> fp32 logits."""
         if self.tied_head:
             return torch.nn.functional.linear(h, self.backbone.embeddings.weight).float()
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[..., :self.cfg.vocab_size]
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, meta: ForwardMetadata) -> ModelOutput:
@@ -103,6 +113,7 @@ class NemotronHForCausalLM(nn.Module):
                 out = block.mixer(x, meta, self.attn_index[i])
             else:
                 out = block.mixer(x)
+            out = self.tp.all_reduce(out)
         norm_f = self.backbone.norm_f
         if meta.logits_rows is None:
             h, final = norm_f.add_forward(h, out)
