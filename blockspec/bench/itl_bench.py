@@ -27,6 +27,7 @@ import time
 import torch
 
 from blockspec.bench.engine_bench import _sync, build_engine
+from blockspec.bench.jsonl import append_rows
 from blockspec.bench.prefill_bench import _prompt
 from blockspec.bench.stats import percentile
 from blockspec.sampling import SamplingParams
@@ -164,7 +165,5 @@ def _one_run(engine, streams: int, long_len: int, horizon: int, greedy: dict, se
 
 def main(args: argparse.Namespace) -> int:
     rows = run(args)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+    append_rows(args.out, rows)
     return 0

@@ -28,6 +28,7 @@ import torch
 
 from blockspec.bench.engine_bench import _sync, build_engine
 from blockspec.bench.flops import prefill_flops
+from blockspec.bench.jsonl import append_rows
 from blockspec.bench.prefill_breakdown import breakdown, format_table
 from blockspec.bench.timing import event_time_ms
 
@@ -142,7 +143,5 @@ def _rounded(row: dict) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     results = run(args)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(_rounded(row)) + "\n" for row in results)
+    append_rows(args.out, [_rounded(row) for row in results])
     return 0

@@ -41,6 +41,7 @@ import torch
 
 from blockspec.bench.bench_args import given
 from blockspec.bench.engine_bench import _sync, build_engine
+from blockspec.bench.jsonl import append_rows
 from blockspec.bench.prefill_bench import _prompt
 from blockspec.bench.stats import percentile
 from blockspec.sampling import SamplingParams
@@ -313,7 +314,5 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main(args: argparse.Namespace) -> int:
     rows = run(args)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+    append_rows(args.out, rows)
     return 0
