@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from blockspec.args import DRAFT_LM_HEADS  # noqa: E402
 from blockspec.bench import presets  # noqa: E402
 from blockspec.bench.accept_profile import accept_length_profile  # noqa: E402
+from blockspec.bench.bench_args import RANDOM_DRAFTS  # noqa: E402
+from blockspec.bench.draft_presets import algorithm_of, build_random_draft  # noqa: E402
 from blockspec.engine import Engine  # noqa: E402
 from blockspec.runtime.metadata import StepBatch  # noqa: E402
 from blockspec.speculative.simulated_accept import SimulatedAcceptance  # noqa: E402
@@ -132,7 +134,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="lightning-mini", choices=sorted(presets.PRESETS))
     p.add_argument("--quantized", action="store_true")
-    p.add_argument("--draft", choices=["dflash", "dspark"])
+    p.add_argument("--draft", choices=RANDOM_DRAFTS,
+                   help="a random draft as the bench builds it (*-nemotron35: published size, W4A16)")
     p.add_argument("--draft-lm-head", default="auto", choices=DRAFT_LM_HEADS)
     p.add_argument("--width", type=int, default=4, help="verify width with --draft / --verify-only")
     p.add_argument("--verify-only", action="store_true",
@@ -149,8 +152,9 @@ def main() -> None:
     model = presets.build_target(a.preset, dev, torch.bfloat16, a.quantized)
     draft = None
     if a.draft:
-        block = a.width if a.draft == "dflash" else a.width - 1
-        draft = presets.build_draft(a.draft, presets.preset_config(a.preset), block, dev, torch.bfloat16)
+        block = a.width if algorithm_of(a.draft) == "dflash" else a.width - 1
+        draft = build_random_draft(a.draft, presets.preset_config(a.preset), block, dev,
+                                   torch.bfloat16)
     bs = a.batch_size
     e = Engine.from_model(model, draft=draft, max_running_requests=max(bs, 1),
                           max_total_tokens=bs * (a.context + 128 + 64 * max(a.width, 1)),

@@ -81,7 +81,16 @@ def test_wide_dense_needs_a_table_entry(monkeypatch):
     assert wp.is_dense_prefill(600, 131072, 2688)
 
 
+def test_shipped_prefill_table_is_valid():
+    """Every measured entry names a kind, a bucket edge and a config the kernel takes."""
+    assert wp.PREFILL_TABLE
+    for (kind, n, k, bucket), cfg in wp.PREFILL_TABLE.items():
+        assert kind in wp.DEFAULT_PREFILL and bucket in wp.M_EDGES and n > 0 and k > 0
+        assert wp.check_prefill_config(cfg) == cfg
+
+
 def test_prefill_config_table_over_defaults(monkeypatch):
+    monkeypatch.setattr(wp, "PREFILL_TABLE", {})      # the rules, not the shipped entries
     base = wp.prefill_config("grouped", 1856, 2688, 12288)
     assert base == wp.DEFAULT_PREFILL["grouped"]
     assert wp.prefill_config("dense", 2688, 1856, 2048)["block_k"] == 64  # 128 does not divide K
@@ -196,6 +205,7 @@ def test_stream_order_and_the_chunk_the_moe_gathers_in(monkeypatch):
     x = torch.arange(2 * 128).reshape(2, 128)
     p = tw.stream_order(x, 64)
     assert p[0, :4].tolist() == [0, 4, 8, 12] and p[0, 16].item() == 1 and p[1, 64].item() == 192
+    monkeypatch.setattr(wp, "PREFILL_TABLE", {})
     assert tw.grouped_x_chunk(1856, 2688, 12288, 128) == 0          # defaults: no x_perm
     monkeypatch.setitem(wp.PREFILL_TABLE, ("grouped", 1856, 2688, 8192),
                         {"x_perm": True, "block_k": 128})

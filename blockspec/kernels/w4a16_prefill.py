@@ -39,9 +39,30 @@ DEFAULT_PREFILL = {
                 "num_stages": 3, "swap": True, "n_inner": True, "x_perm": False},
 }
 
-# (kind, N, K, m_bucket) -> config: Lightning's shapes (routed up/down, shared expert up/down).
-# Set from the sweep's "TABLE" lines; until measured they hold the defaults above.
-PREFILL_TABLE: dict[tuple[str, int, int, int], dict] = {}
+# (kind, N, K, m_bucket) -> config: Lightning's shapes (routed up/down, shared expert up/down),
+# the sweep's "TABLE" lines from one H200 (scripts/tune_w4a16_prefill.py --tokens 2048 8192;
+# M = prompt tokens, grouped rows = 6 x tokens).
+PREFILL_TABLE: dict[tuple[str, int, int, int], dict] = {
+    ("grouped", 2688, 1856, 8192): {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8,
+                                    "num_stages": 3, "swap": True, "n_inner": True, "x_perm": True},
+    ("grouped", 2688, 1856, 32768): {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 4,
+                                     "num_stages": 3, "swap": True, "n_inner": True,
+                                     "x_perm": False},
+    ("grouped", 1856, 2688, 8192): {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8,
+                                    "num_stages": 3, "swap": True, "n_inner": True, "x_perm": True},
+    ("grouped", 1856, 2688, 32768): {"block_m": 128, "block_n": 256, "block_k": 128,
+                                     "num_warps": 8, "num_stages": 3, "swap": True,
+                                     "n_inner": True, "x_perm": True},
+    ("dense", 2688, 3712, 2048): {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8,
+                                  "num_stages": 3, "swap": True, "n_inner": False, "x_perm": False},
+    ("dense", 2688, 3712, 8192): {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8,
+                                  "num_stages": 3, "swap": True, "n_inner": True, "x_perm": False},
+    ("dense", 3712, 2688, 2048): {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8,
+                                  "num_stages": 3, "swap": False, "n_inner": False,
+                                  "x_perm": False},
+    ("dense", 3712, 2688, 8192): {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8,
+                                  "num_stages": 3, "swap": False, "n_inner": True, "x_perm": False},
+}
 
 
 def m_bucket(m: int) -> int:
