@@ -297,3 +297,28 @@ def test_graph_bookkeeping_per_width(target, kind, block, monkeypatch):
     assert set(d.cost.measured) == {(s, w) for s in (1, 2, 4, 8, 16) for w in d.widths}
     d.chooser.force = None
     assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == ref
+
+
+class _ModeGraphs(_EagerGraphs):
+    """Records whether autograd was off while each step was captured: a capture with it on
+    would record the layers' torch references instead of the kernels."""
+
+    def __init__(self, max_bs: int) -> None:
+        super().__init__(max_bs)
+        self.grad_at_capture: list[bool] = []
+
+    def capture(self, key, fn):
+        self.grad_at_capture.append(torch.is_grad_enabled())
+        super().capture(key, fn)
+
+
+@pytest.mark.parametrize("kind, block", [("dflash", 5), ("dspark", 4)])
+def test_graphs_are_captured_without_autograd(target, kind, block, monkeypatch):
+    root, folder, ref = target
+    monkeypatch.setattr(CostTable, "measure",
+                        lambda self, bs, width, replay, device, reps=3: replay())
+    e = _engine(root, folder, kind, block)
+    e.runner.graphs = _ModeGraphs(4)
+    e.runner.host_max_seq_len = 512
+    assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == ref
+    assert e.runner.graphs.grad_at_capture and not any(e.runner.graphs.grad_at_capture)

@@ -190,12 +190,15 @@ class ModelRunner:
             log.info("CUDA graphs off: %s", why)
         self.graphs = None
 
+    @torch.inference_mode()
     def ensure_graph(self, kind: str, key: tuple, padded: int, fn: StepFn) -> tuple:
         """The graph of (kind, sampling mode, padded size), captured now if it is new, together
         with every smaller captured size it lacks: a batch shrinks into those as its requests
         finish at different steps, and a capture then would stall the running requests.
         Largest first (smaller graphs reuse the shared pool). The step inputs are dummy rows
-        while a graph warms up and records, so no real cache is touched."""
+        while a graph warms up and records, so no real cache is touched. Under inference mode
+        whoever calls: with autograd on, the layers take their torch references (the kernels
+        have no backward) and the graph would replay those."""
         for size in sorted((s for s in self.graphs.sizes if s <= padded), reverse=True):
             gkey = (kind, key, size)
             if not self.graphs.has(gkey):

@@ -94,6 +94,7 @@ class SpecWorker:
         self.draft.write_context(aux, rows[0], rows[1], self.pool)
 
     # ---- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
     def launch(self, batch: StepBatch | None, prev: Launched | None = None) -> Launched:
         """Launch a speculative step for ``batch``, or (None) the next one of ``prev``'s
         requests from the inputs it advanced on the device (``ModelRunner.launch_step``).
