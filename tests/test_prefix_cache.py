@@ -99,18 +99,26 @@ def test_speculative_cached_answers_are_the_uncached_ones(spec, algo, params):
         _scenario(off, on, params, 0, 23)
 
 
-def test_evicted_prefix_is_computed_again_and_cached_again(tiny_folder):
-    off, on = _pair(tiny_folder, max_total_tokens=96, mamba_cache_slots=2, max_running_requests=2)
+EVICTING = {"max_total_tokens": 96, "mamba_cache_slots": 2, "max_running_requests": 2}
+
+
+def _evicted(off, on):
+    """A cached prefix pushed out by unrelated prompts is computed again, then hit again."""
     rng = random.Random(2)
     base = [rng.randrange(3, 259) for _ in range(30)]
+    _same(off, on, base, GREEDY)
+    assert _same(off, on, base + [9], GREEDY)["meta_info"]["cached_tokens"] == 28
+    for _ in range(3):                      # unrelated prompts take the pages and snapshots
+        _same(off, on, [rng.randrange(3, 259) for _ in range(30)], GREEDY)
+    assert _same(off, on, base + [9], GREEDY)["meta_info"]["cached_tokens"] == 0
+    assert _same(off, on, base + [10], GREEDY)["meta_info"]["cached_tokens"] == 28
+    on.memory.prefix.audit([])
+
+
+def test_evicted_prefix_is_computed_again_and_cached_again(tiny_folder):
+    off, on = _pair(tiny_folder, **EVICTING)
     with off, on:
-        _same(off, on, base, GREEDY)
-        assert _same(off, on, base + [9], GREEDY)["meta_info"]["cached_tokens"] == 28
-        for _ in range(3):                      # unrelated prompts take the pages and snapshots
-            _same(off, on, [rng.randrange(3, 259) for _ in range(30)], GREEDY)
-        assert _same(off, on, base + [9], GREEDY)["meta_info"]["cached_tokens"] == 0
-        assert _same(off, on, base + [10], GREEDY)["meta_info"]["cached_tokens"] == 28
-        on.memory.prefix.audit([])
+        _evicted(off, on)
 
 
 def test_prompt_logprobs_bypass_the_lookup(tiny_folder):
@@ -330,7 +338,8 @@ def test_preempted_requests_resume_from_their_own_checkpoints(tiny_folder):
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", [None, "dflash", "dspark"])
 def test_gpu_cached_answers_are_the_uncached_ones(tiny_folder, kind):
-    """The same scenario on CUDA (Triton kernels, CUDA graphs), fp32."""
+    """The same scenarios on CUDA (Triton kernels, CUDA graphs), fp32: every hit kind, then
+    an eviction."""
     import torch  # lazy: only the GPU test needs it here
 
     from blockspec.bench.presets import build_draft, preset_config  # lazy: GPU test only
@@ -346,3 +355,7 @@ def test_gpu_cached_answers_are_the_uncached_ones(tiny_folder, kind):
             on = Engine.from_model(target.model, draft=draft, enable_radix_cache=True, **kw)
             with off, on:
                 _scenario(off, on, params, 3, 259)
+        off = Engine.from_model(target.model, draft=draft, **kw, **EVICTING)
+        on = Engine.from_model(target.model, draft=draft, enable_radix_cache=True, **kw, **EVICTING)
+        with off, on:
+            _evicted(off, on)

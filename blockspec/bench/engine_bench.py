@@ -288,6 +288,9 @@ def run(args: argparse.Namespace) -> list[dict]:
              getattr(args, "simulate_low_accept_phases", None))
     accept_profile.check_simulation_flags(*flags, args.json_schema)
     engine, label = build_engine(args, max(batches))
+    # whole prefill chunks while requests decode too: a batch's decode time is its run less a
+    # prefill-only run, which must prefill the prompts the same way
+    engine.scheduler.decoding_chunk = engine.scheduler.chunk
     try:
         sim = attach_simulation(engine, flags)
     except ValueError:

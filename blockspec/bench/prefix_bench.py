@@ -7,8 +7,9 @@
 
 Order: the engine is built with the cache on and every batch size / concurrency runs on it;
 then it is shut down and freed (``torch.cuda.empty_cache()`` on CUDA), built again with the
-cache off, and the same sequences run. Each engine first serves one warm-up request on
-unrelated tokens (kernels compiled, graphs captured). Tokens are random, seeded, greedy, EOS
+cache off, and the same sequences run. Each engine first serves two warm-up requests on
+unrelated tokens in the workload's shapes, the second resuming from the first (kernels
+compiled and graphs captured for both a cold and a resumed prefill, before any timing). Tokens are random, seeded, greedy, EOS
 ignored; every request's timing comes from its outputs' loop times (``StreamOutput.time``),
 the device synchronized before each submission.
 
@@ -47,7 +48,7 @@ from blockspec.bench.stats import percentile
 from blockspec.sampling import SamplingParams
 
 _TIMEOUT_S = 3600.0
-WARMUP_LEN = 64
+WARMUP_PREFIX = 4096   # agentic warm-up: the shared prefix (two default prefill chunks)
 
 
 class _Tracker:
@@ -212,9 +213,17 @@ def _base(engine, label: str, args: argparse.Namespace, on: bool) -> dict:
             "mamba_track_interval": engine.args.mamba_track_interval}
 
 
-def _warm_up(engine) -> None:
-    engine.generate(input_ids=[_prompt(engine.config.vocab_size, WARMUP_LEN, seed=7)],
-                    sampling_params={"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True})
+def _warm_up(engine, first: int, then: int, output_len: int, *, follow: bool) -> None:
+    """Two requests on unrelated tokens in the workload's shapes, so the timed runs compile no
+    kernel and capture no graph: ``first`` tokens, then a second request that resumes from the
+    first (``follow``: its whole prompt and answer, as a next turn does; else a shared prefix
+    of ``first`` tokens, as an agent's next call does) and adds ``then`` new tokens."""
+    vocab, sp = engine.config.vocab_size, {"max_new_tokens": output_len, "temperature": 0.0,
+                                           "ignore_eos": True}
+    one = _prompt(vocab, first, seed=7)
+    out = engine.generate(input_ids=[one], sampling_params=sp)[0]["output_ids"]
+    two = (one + out if follow else one) + _prompt(vocab, then, seed=8)
+    engine.generate(input_ids=[two], sampling_params=sp)
     _sync(engine.device)
 
 
@@ -234,7 +243,7 @@ def _run_multi_turn(args: argparse.Namespace, input_len: int, output_len: int) -
     for on in (True, False):
         engine, label = build_engine(ns, max(batches), **_cache_kw(args, on))
         try:
-            _warm_up(engine)
+            _warm_up(engine, ulen, ulen, output_len, follow=True)
             for b in batches:
                 fig, got = multi_turn(engine, b, turns, ulen, output_len,
                                       None if on else answers[b])
@@ -274,7 +283,7 @@ def _run_agentic(args: argparse.Namespace, input_len: int, output_len: int) -> l
         engine, label = build_engine(ns, max(levels), **_cache_kw(args, on))
         vocab = engine.config.vocab_size
         try:
-            _warm_up(engine)
+            _warm_up(engine, min(input_len, WARMUP_PREFIX), slen, output_len, follow=False)
             for k, c in enumerate(levels):
                 # a prefix per level: a later level must not hit an earlier level's prefix
                 prefix = _prompt(vocab, input_len, seed=50_000 + k)
