@@ -178,9 +178,13 @@ class SpecWorker:
         dmeta = uniform_metadata(inp, Q, Mode.DRAFT, ids, m.block_table, m.page_size, self.attn,
                                  self.pool, max_seq_len=self.runner.host_max_seq_len)
         h = draft.select_draft_hidden(draft.forward_paged(x, dmeta).view(B, Q, -1))  # [B, γ, H]
-        base = self.draft_logits(h)                                                  # [B, γ, V]
+        n = width - 1       # only the drafts this width verifies are scored (and walked)
+        if n < self.gamma:
+            h = h[:, :n].contiguous()                                                # [B, n, H]
+        base = self.draft_logits(h)                                                  # [B, n, V]
         if self.is_dspark:
-            u_draft = None if greedy_only else uniforms(inp["seed"], inp["verify_ctr"], Stream.DRAFT, self.gamma)
+            u_draft = None if greedy_only else uniforms(
+                inp["seed"], inp["verify_ctr"], Stream.DRAFT, self.gamma)[:, :n]
             drafts, q = draft.markov_walk(base, h, anchor, inp["temperature"], u_draft,
                                           greedy_only=greedy_only, with_probs=not greedy_only)
         else:
@@ -189,8 +193,7 @@ class SpecWorker:
         if self.simulate is not None:   # benchmark mode: γ acceptance coins, then γ proposals
             u_sim = uniforms(inp["seed"], inp["verify_ctr"], Stream.SIMULATE, 2 * self.gamma)
             drafts = self._simulated_proposals(u_sim[:, self.gamma:], base.shape[-1])
-            u_sim = u_sim[:, :width - 1]
-        n = width - 1
+            u_sim = u_sim[:, :n]
         return drafts[:, :n], None if q is None else q[:, :n], dmeta, u_sim
 
     def _verify_forward(self, inp: dict[str, torch.Tensor], proposal: tuple, width: int):
