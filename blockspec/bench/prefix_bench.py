@@ -9,8 +9,8 @@ Order: the engine is built with the cache on and every batch size / concurrency 
 then it is shut down and freed (``torch.cuda.empty_cache()`` on CUDA), built again with the
 cache off, and the same sequences run. Each engine first serves two warm-up requests on
 unrelated tokens in the workload's shapes, the second resuming from the first (kernels
-compiled and graphs captured for both a cold and a resumed prefill, before any timing). Tokens are random, seeded, greedy, EOS
-ignored; every request's timing comes from its outputs' loop times (``StreamOutput.time``),
+compiled and graphs captured for both a cold and a resumed prefill, before any timing).
+Tokens are random, seeded, greedy, EOS ignored; every request's timing comes from its outputs' loop times (``StreamOutput.time``),
 the device synchronized before each submission.
 
 multi-turn: ``--batch-size`` conversations at once, ``--turns`` turns. Turn t's prompt is
