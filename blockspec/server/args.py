@@ -12,6 +12,7 @@ from blockspec.flags import HelpFormatter, engine_flags
 # spelled here so the CLI's help stays free of server imports
 TOOL_CALL_PARSERS = ("qwen3_coder", "hermes")
 REASONING_PARSERS = ("nemotron_3",)
+ALIASES = {"dp_size": ("--data-parallel-size",)}      # sglang's other spelling
 
 
 def _arg(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -36,6 +37,9 @@ class ServerArgs:
     graceful_shutdown_timeout: float = _arg(10.0, "after SIGINT/SIGTERM: seconds the running "
                                                   "and queued requests get to finish (new ones "
                                                   "get 503); then the rest end with an error")
+    dp_size: int = _arg(1, "data-parallel replicas of the engine behind this server (each its "
+                           "own model copy and cache; on CUDA replica i on the i-th GPU); "
+                           "requests are routed by prefix (with --enable-radix-cache) and load")
     tool_call_parser: str | None = _arg(None, "read tool calls out of chat output (tool_choice "
                                               "auto) in this format; unset: tools reach the "
                                               "template, the output stays content",
@@ -49,7 +53,8 @@ class ServerArgs:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
-        for name in ("max_queued_requests", "max_request_bytes", "max_prompts_per_request"):
+        for name in ("max_queued_requests", "max_request_bytes", "max_prompts_per_request",
+                     "dp_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -74,7 +79,8 @@ def add_serve_parser(sub: Any) -> None:
     for f in fields(ServerArgs):
         kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
         default = f.default if f.default is not MISSING else None
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
+        p.add_argument("--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ()), type=kind,
+                       default=default,
                        help=f.metadata["help"], choices=f.metadata["choices"])
 
 

@@ -20,6 +20,7 @@ import uvicorn
 from blockspec.args import EngineArgs
 from blockspec.demo_family import describe
 from blockspec.engine import Engine
+from blockspec.engine.data_parallel import DataParallelEngine
 from blockspec.server.app import create_app
 from blockspec.server.args import ServerArgs, server_args
 from blockspec.server.client import EngineClient
@@ -106,7 +107,8 @@ def run(ns: argparse.Namespace) -> int:
                      if f.name != "extra" and hasattr(ns, f.name)}
     sock = bind(sargs.host, sargs.port)          # a busy port fails before the model loads
     try:
-        engine = Engine(**engine_kwargs)
+        engine = (Engine(**engine_kwargs) if sargs.dp_size == 1
+                  else DataParallelEngine.build(sargs.dp_size, **engine_kwargs))
     except BaseException:
         sock.close()
         raise
