@@ -18,6 +18,9 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    # expert parallelism over this group: the MoE's routed experts split by expert (each rank
+    # whole experts) instead of inside each expert
+    ep: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks, in place (a row-parallel layer's partial outputs)."""

@@ -74,6 +74,9 @@ class NemotronHConfig:
     bos_token_id: int | None = 1
     pad_token_id: int | None = 0
     max_position_embeddings: int = 4096
+    # expert parallelism (set by models/tp_layout.rank_config, never read from config.json):
+    # the [first, end) routed experts this rank holds; None: all of them
+    local_experts: tuple[int, int] | None = None
     raw: dict = field(default_factory=dict, repr=False)
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -121,7 +124,8 @@ class NemotronHConfig:
         eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         limit = d.get("time_step_limit") or (0.0, math.inf)
         kwargs = {k: d[k] for k in cls.__dataclass_fields__
-                  if k in d and k not in ("block_types", "raw", "eos_token_id", "time_step_limit")}
+                  if k in d and k not in ("block_types", "raw", "eos_token_id", "time_step_limit",
+                                          "local_experts")}
         for key in ("mlp_hidden_act",):
             if key in kwargs and kwargs[key] != "relu2":
                 raise ConfigError(f"config.json: {key}={kwargs[key]!r} is not supported "

@@ -110,10 +110,13 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = TopkRouter(cfg, dtype)
         expert_in = cfg.moe_latent_size or cfg.hidden_size
+        # expert parallelism: this rank's whole experts [lo, hi) of the router's E
+        self.local = cfg.local_experts
+        lo, hi = self.local or (0, cfg.n_routed_experts)
         self.experts = nn.ModuleList(
             ReluSquaredMLP(f"{prefix}.experts.{e}", expert_in, cfg.moe_intermediate_size,
                            cfg.mlp_bias, quant, dtype)
-            for e in range(cfg.n_routed_experts))
+            for e in range(lo, hi))
         self.shared_experts = (
             ReluSquaredMLP(f"{prefix}.shared_experts", cfg.hidden_size,
                            cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias, quant, dtype)
@@ -222,8 +225,9 @@ class MoE(nn.Module):
             (wu, su, s2u), (wd, sd, s2d) = self._grouped
             dedup = 1 < ids.shape[0] <= PAIR_DEDUP_MAX_TOKENS
             parts = self._shared_parts if ride else 0
-            # ids come from top-k routing: distinct within each token
-            kw = dict(dedup=dedup, distinct=True, shared_parts=parts)
+            # ids come from top-k routing: distinct within each token (not once expert
+            # parallelism has sent another rank's pairs to local expert 0)
+            kw = dict(dedup=dedup, distinct=self.local is None, shared_parts=parts)
             up = pair_w4a16(h, ids, wu, su, s2u, relu2=True, **kw)
             y = pair_w4a16(up, ids, wd, sd, s2d, x_per_pair=True, **kw)
             if parts:
@@ -291,8 +295,18 @@ class MoE(nn.Module):
             return self.routed_dense(h, ids, w, shared)
         return self.routed_reference(h, ids, w, shared)
 
+    def local_pairs(self, ids: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallelism: the router's global ids as this rank's local ones, pairs naming
+        another rank's expert at weight 0 (they run through local expert 0 and add nothing;
+        device ops only, so the step stays graph-safe)."""
+        lo, hi = self.local
+        mine = (ids >= lo) & (ids < hi)
+        return torch.where(mine, ids - lo, 0), torch.where(mine, w, 0.0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.gate(x)
+        if self.local is not None:
+            ids, w = self.local_pairs(ids, w)
         if self.latent:
             y = self.fc2_latent_proj(self.routed(self.fc1_latent_proj(x), ids, w))
             return y if self.shared_experts is None else y + self.shared_experts(x)

@@ -12,7 +12,7 @@ from blockspec.checkpoint import TensorSource, load_state, read_config
 from blockspec.configs.nemotron_h import NemotronHConfig
 from blockspec.layers.moe import MoE
 from blockspec.models.nemotron_h import NemotronHForCausalLM
-from blockspec.models.tp_layout import shard_for
+from blockspec.models.tp_layout import local_name, shard_for
 from blockspec.parallel import SINGLE, TPGroup
 from blockspec.quant import config as quant_config
 from blockspec.quant.linear import prepare_fp8, prepare_w4a16
@@ -64,7 +64,7 @@ def load_target(path: str | Path, dtype: torch.dtype, device: torch.device,
         def rename(name: str) -> str | None:
             if name.startswith("mtp.") or name in kv_scales:   # FP8-KV scales: cache stays bf16
                 return None
-            return name
+            return local_name(name, cfg, tp)        # None: another rank's experts (EP)
 
         load_state(model, src, rename=rename, what=f"target checkpoint {folder.name}",
                    shard=lambda name: shard_for(name, cfg, tp))

@@ -69,7 +69,7 @@ class NemotronHForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        self.rank_cfg = rank_config(cfg, tp.size)
+        self.rank_cfg = rank_config(cfg, tp.size, tp.rank, tp.ep)
         self.tied_head = cfg.tie_word_embeddings if tie_head is None else tie_head
         self.backbone = Backbone(self.rank_cfg, quant, dtype)
         if not self.tied_head:     # a tied head scores with the replicated embeddings

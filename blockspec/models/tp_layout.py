@@ -6,7 +6,11 @@
   rank's rows of each of its [z, x, B, C, dt] parts, ``conv1d`` its x/B/C channels, A/D/dt_bias
   its heads, the gated norm its groups; ``out_proj`` row-parallel;
 * MLP and MoE experts (routed and shared) by intermediate channels: ``up_proj`` column-,
-  ``down_proj`` row-parallel; the router and a latent MoE's projections replicated;
+  ``down_proj`` row-parallel; the router and a latent MoE's projections replicated. With
+  expert parallelism (``TPGroup.ep``) the routed experts split by expert instead: each rank
+  holds E / size whole experts and computes the (token, expert) pairs that name them (every
+  rank routes the same replicated tokens, so dispatch is a local selection); the all-reduce
+  after the mixer combines them. The shared expert stays split by channels;
 * ``lm_head`` by vocabulary rows (ceil(V / size) a rank, the last padded with zero rows),
   gathered before sampling; embeddings and norms replicated (a tied head scores the whole
   vocabulary with them on every rank).
@@ -27,10 +31,13 @@ from blockspec.configs.nemotron_h import ConfigError, NemotronHConfig
 from blockspec.parallel import Shard, TPGroup
 
 _LAYER = re.compile(r"backbone\.layers\.(\d+)\.mixer\.(.+)")
+_EXPERT = re.compile(r"backbone\.layers\.\d+\.mixer\.experts\.(\d+)\..+")
 
 
-def rank_config(cfg: NemotronHConfig, size: int) -> NemotronHConfig:
-    """The config one rank of ``size`` builds its layers from (whole config at size 1)."""
+def rank_config(cfg: NemotronHConfig, size: int, rank: int = 0,
+                ep: bool = False) -> NemotronHConfig:
+    """The config rank ``rank`` of ``size`` builds its layers from (whole config at size 1);
+    ``ep``: its routed experts are whole experts [rank E / size, (rank + 1) E / size)."""
     if size == 1:
         return cfg
     need: dict[str, int] = {}
@@ -46,7 +53,11 @@ def rank_config(cfg: NemotronHConfig, size: int) -> NemotronHConfig:
     if "mlp" in kinds:
         need["intermediate_size"] = cfg.intermediate_size
     if "moe" in kinds:
-        need["moe_intermediate_size"] = cfg.moe_intermediate_size
+        if not ep:
+            need["moe_intermediate_size"] = cfg.moe_intermediate_size
+        elif cfg.n_routed_experts % size:
+            raise ConfigError(f"expert parallel size {size} does not divide "
+                              f"n_routed_experts={cfg.n_routed_experts}")
         if cfg.n_shared_experts:
             need["moe_shared_expert_intermediate_size"] = cfg.moe_shared_expert_intermediate_size
     bad = [f"{k}={v}" for k, v in need.items() if v % size]
@@ -55,7 +66,24 @@ def rank_config(cfg: NemotronHConfig, size: int) -> NemotronHConfig:
     out = {k: v // size for k, v in need.items()}
     if "attention" in kinds:
         out["num_key_value_heads"] = max(1, cfg.num_key_value_heads // size)
+    if "moe" in kinds and ep:
+        n = cfg.n_routed_experts // size
+        out["local_experts"] = (rank * n, (rank + 1) * n)
     return replace(cfg, **out)
+
+
+def local_name(name: str, cfg: NemotronHConfig, tp: TPGroup) -> str | None:
+    """The model's name for checkpoint tensor ``name`` on this rank, None where the rank does
+    not hold it: under expert parallelism the rank's routed experts are numbered from 0 (its
+    ``ModuleList``), the other ranks' are skipped."""
+    if not tp.ep or tp.size == 1:
+        return name
+    m = _EXPERT.fullmatch(name)
+    if m is None:
+        return name
+    lo, hi = rank_config(cfg, tp.size, tp.rank, ep=True).local_experts
+    e = int(m.group(1))
+    return name[:m.start(1)] + str(e - lo) + name[m.end(1):] if lo <= e < hi else None
 
 
 def vocab_rows(cfg: NemotronHConfig, size: int) -> int:
@@ -131,6 +159,8 @@ def shard_for(name: str, cfg: NemotronHConfig, tp: TPGroup) -> Shard | None:
         part = module.rpartition(".")[2]
         if part not in ("up_proj", "down_proj"):
             return None                  # router, latent fc1: replicated
+        if tp.ep and ".experts." in f".{module}":
+            return None                  # expert parallel: whole experts
         inner = (cfg.intermediate_size if kind == "mlp"
                  else cfg.moe_shared_expert_intermediate_size if "shared_experts" in module
                  else cfg.moe_intermediate_size)
