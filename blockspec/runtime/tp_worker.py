@@ -46,6 +46,7 @@ from blockspec.runtime.model_runner import ModelRunner
 from blockspec.runtime.phases import Pending, PhasedSteps
 
 KEEP_STEPS = 8          # launched / pending steps a worker remembers (continuations are recent)
+PLAN_HEAD = 4096        # bytes of a plan's first broadcast (a decode step's plan fits)
 
 
 class TPError(RuntimeError):
@@ -62,11 +63,12 @@ class Drafter(Protocol):
 
 
 class PlanChannel:
-    """The plans, in one order: rank 0 broadcasts, workers receive (``broadcast_object_list``'s
-    two broadcasts, length then pickle, made here so that rank 0's may time out: gloo hands a
-    message over only once the receiver asks for it, so a hung worker would hold rank 0 at
-    its next plan forever; a worker waits for plans as long as the engine idles). ``check``
-    (rank 0) says why a worker is gone, or None while all are alive."""
+    """The plans, in one order: rank 0 broadcasts, workers receive (pickles, as
+    ``broadcast_object_list`` sends them, but in one broadcast for a small plan, and with a
+    timeout on rank 0's side: gloo hands a message over only once the receiver asks for it,
+    so a hung worker would hold rank 0 at its next plan forever; a worker waits for plans as
+    long as the engine idles). ``check`` (rank 0) says why a worker is gone, or None while
+    all are alive."""
 
     def __init__(self, group: dist.ProcessGroup | None, timeout: float | None = None,
                  check: Callable[[], str | None] = lambda: None) -> None:
@@ -88,9 +90,18 @@ class PlanChannel:
             self.fail(dead)
         ops = list(self.journal)
         self.journal.clear()                  # in place: the memory manager appends to it
-        data = torch.frombuffer(bytearray(pickle.dumps((ops, call))), dtype=torch.uint8)
+        data = pickle.dumps((ops, call))
+        # one broadcast of a fixed-size head (the length, then the start of the pickle), a
+        # second only for the rest of a large plan (a long prompt, mask rows)
+        head = torch.zeros(PLAN_HEAD, dtype=torch.uint8)
+        head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        first = data[:PLAN_HEAD - 8]
+        head[8:8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        parts = [head]
+        if len(data) > len(first):
+            parts.append(torch.frombuffer(bytearray(data[len(first):]), dtype=torch.uint8))
         try:
-            for t in (torch.tensor([data.numel()], dtype=torch.int64), data):
+            for t in parts:
                 work = dist.broadcast(t, src=0, group=self.group, async_op=True)
                 if self.timeout is None:
                     work.wait()
@@ -101,11 +112,15 @@ class PlanChannel:
                                       f"longer answers?): {e}")
 
     def recv(self) -> tuple[list[tuple], tuple]:
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.group)
-        data = torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(data, src=0, group=self.group)
-        return pickle.loads(data.numpy().tobytes())
+        head = torch.empty(PLAN_HEAD, dtype=torch.uint8)
+        dist.broadcast(head, src=0, group=self.group)
+        n = int(head[:8].view(torch.int64))
+        data = head[8:8 + n].numpy().tobytes()
+        if n > len(data):
+            rest = torch.empty(n - len(data), dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
     def fail(self, why: str) -> None:
         self.broken = f"tensor parallelism: {why}"
