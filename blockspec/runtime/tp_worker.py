@@ -227,6 +227,7 @@ class MirroredRunner(ModelRunner):
             super().fill_penalties(slot, prompt_ids, output_ids, params, banned)
 
     def ensure_graph(self, kind: str, key: tuple, padded: int, fn) -> tuple:
+        self._check_kind(kind, fn, 0)
         with self.mirrored("ensure_graph", kind, key, padded):
             return super().ensure_graph(kind, key, padded, fn)
 
