@@ -108,11 +108,13 @@ def resolve_attention_backends(dev: DeviceInfo, *, attention_backend: str | None
 
 
 def arg(default: Any, help: str, *,
-        choices: Sequence[str] | Callable[[], Sequence[str]] | None = None) -> Any:
+        choices: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+        aliases: tuple[str, ...] = ()) -> Any:
     """An EngineArgs field whose CLI help sits next to it. ``choices`` may be a callable so a
     registry that grows at import time (attention backends) is read when the parser is built.
-    The CLI appends the default and the choices to ``help`` itself."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+    The CLI appends the default and the choices to ``help`` itself; ``aliases`` are further
+    spellings of the flag (vLLM's, where sglang's differs)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
 
 
 def attention_backend_choices() -> tuple[str, ...]:
@@ -139,6 +141,10 @@ class EngineArgs:
                      choices=(*DTYPES, *DTYPE_ALIASES))
     device: str = arg("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     random_seed: int = arg(0, "seeds sampling for requests without their own seed")
+    tp_size: int = arg(
+        1, "tensor-parallel ranks: the target's heads, channels and vocabulary split over this "
+           "many processes (this one and tp_size - 1 workers it starts; NCCL on cuda:i, gloo on "
+           "the CPU); drafts are replicated", aliases=("--tensor-parallel-size",))
     max_running_requests: int = arg(16, "most requests decoded together")
     max_total_tokens: int | None = arg(None, "cache capacity in tokens over all running requests "
                                              "(prompt + max_new_tokens each); default: 32768")
@@ -223,7 +229,7 @@ class EngineArgs:
             raise ArgsError(f"speculative_draft_lm_head must be one of {', '.join(DRAFT_LM_HEADS)}, "
                             f"got {self.speculative_draft_lm_head!r}")
         for name in ("max_running_requests", "chunked_prefill_size", "decoding_prefill_chunk_size",
-                     "page_size", "cuda_graph_max_bs"):
+                     "page_size", "cuda_graph_max_bs", "tp_size"):
             if getattr(self, name) < 1:
                 raise ArgsError(f"{name} must be >= 1, got {getattr(self, name)}")
         prefix_cache = self.enable_radix_cache and not self.disable_radix_cache

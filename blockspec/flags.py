@@ -48,14 +48,14 @@ def engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None
     for f in fields(EngineArgs):
         if f.name == "extra" or f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()))
         kind = _TYPES[str(f.type).replace(" | None", "")]
         default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
         kw = {"default": default, "help": f.metadata.get("help")}
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction if default else "store_true",
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction if default else "store_true",
                                **kw)
             continue
         choices = choices_of(f)
-        group.add_argument(flag, type=canonical(choices) if choices else kind, choices=choices,
+        group.add_argument(*flags, type=canonical(choices) if choices else kind, choices=choices,
                            metavar=f.name.upper() if not choices else None, **kw)

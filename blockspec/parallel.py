@@ -5,6 +5,7 @@ the whole tensor. NCCL on CUDA, gloo on the CPU; the transport is torch.distribu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -42,13 +43,17 @@ SINGLE = TPGroup()
 
 
 def init_tp(init_method: str = "env://", rank: int | None = None,
-            world_size: int | None = None, backend: str | None = None) -> TPGroup:
+            world_size: int | None = None, backend: str | None = None,
+            timeout: float | None = None) -> TPGroup:
     """Join (or reuse) the default process group and return the whole world as one TP group.
     With ``env://`` the rank and size come from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT;
-    the backend defaults to NCCL when CUDA is present, else gloo."""
+    the backend defaults to NCCL when CUDA is present, else gloo. ``timeout`` (seconds) bounds
+    the rendezvous and every collective: a rank that stops answering fails the others."""
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         kwargs = {} if rank is None else {"rank": rank, "world_size": world_size}
+        if timeout is not None:
+            kwargs["timeout"] = timedelta(seconds=timeout)
         dist.init_process_group(backend, init_method=init_method, **kwargs)
     return TPGroup(rank=dist.get_rank(), size=dist.get_world_size(), group=None)
 

@@ -31,6 +31,7 @@ class MambaStatePool:
                                dtype=torch.float32, device=device)
         self.xbc_scratch: torch.Tensor | None = None
         self.step_scratch: torch.Tensor | None = None
+        self.journal: list[tuple] | None = None     # see MemoryManager.record_device_ops
 
     @property
     def inputs_per_position(self) -> int:
@@ -47,6 +48,8 @@ class MambaStatePool:
                                         device=self.ssm.device)
 
     def reset(self, slot: int) -> None:
+        if self.journal is not None:
+            self.journal.append(("reset", slot))
         self.conv[:, slot].zero_()
         self.ssm[:, slot].zero_()
 

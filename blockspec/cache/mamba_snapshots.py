@@ -20,6 +20,7 @@ class MambaSnapshots:
         self.conv = torch.zeros(L, capacity, C, K1, dtype=pool.conv.dtype, device=pool.conv.device)
         self.ssm = torch.zeros(L, capacity, H, P, N, dtype=pool.ssm.dtype, device=pool.ssm.device)
         self._free = list(range(capacity - 1, -1, -1))
+        self.journal: list[tuple] | None = None     # see MemoryManager.record_device_ops
 
     @property
     def num_free(self) -> int:
@@ -35,11 +36,19 @@ class MambaSnapshots:
         if not self._free:
             return None
         sid = self._free.pop()
-        self.conv[:, sid].copy_(self.pool.conv[:, slot])
-        self.ssm[:, sid].copy_(self.pool.ssm[:, slot])
+        self.copy_in(slot, sid)
         return sid
 
+    def copy_in(self, slot: int, sid: int) -> None:
+        """Snapshot ``sid`` := request slot ``slot``'s state (the device half of ``save``)."""
+        if self.journal is not None:
+            self.journal.append(("save", slot, sid))
+        self.conv[:, sid].copy_(self.pool.conv[:, slot])
+        self.ssm[:, sid].copy_(self.pool.ssm[:, slot])
+
     def restore(self, sid: int, slot: int) -> None:
+        if self.journal is not None:
+            self.journal.append(("restore", sid, slot))
         self.pool.conv[:, slot].copy_(self.conv[:, sid])
         self.pool.ssm[:, slot].copy_(self.ssm[:, sid])
 

@@ -12,6 +12,12 @@ padded to a captured size with rows that read and write only the dummy's cache.
 With the prefix cache on (``prefix_cache.py``) a reservation may start with pages it shares
 with the cache and other requests; admission counts them as held, asks the cache to evict
 unused pages before it refuses, and a release drops the request's references.
+
+Under tensor parallelism only rank 0 keeps the books; every rank holds its own device caches
+(its heads). The few device writes the bookkeeping itself makes (a block-table row at
+admission, a Mamba slot reset, snapshot copies) are recorded in a journal
+(``record_device_ops``) that rank 0 ships to the other ranks ahead of its next forward, where
+``replay_device_op`` repeats them in order.
 """
 from __future__ import annotations
 
@@ -43,6 +49,16 @@ class CacheLayout:
     mamba_head_dim: int = 0
     ssm_state_size: int = 0
     mamba_groups: int = 1
+
+    @classmethod
+    def for_model(cls, cfg) -> CacheLayout:
+        """From a target config (under tensor parallelism the rank's ``rank_cfg``: its heads)."""
+        return cls(num_attention_layers=len(cfg.layer_ids("attention")),
+                   num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                   num_mamba_layers=len(cfg.layer_ids("mamba")), conv_dim=cfg.conv_dim,
+                   conv_kernel=cfg.conv_kernel, mamba_heads=cfg.mamba_num_heads,
+                   mamba_head_dim=cfg.mamba_head_dim, ssm_state_size=cfg.ssm_state_size,
+                   mamba_groups=cfg.n_groups)
 
 
 @dataclass
@@ -85,6 +101,7 @@ class MemoryManager:
                                      groups=layout.mamba_groups)
                       if layout.num_mamba_layers else None)
         self.draft_kv: KVPool | None = None
+        self.journal: list[tuple] | None = None
         # snapshot slots default to twice the running requests' Mamba state
         self.prefix = (PrefixCache(self.allocator, self.mamba, track_interval=mamba_track_interval,
                                    snapshot_slots=mamba_cache_slots or 2 * max_requests)
@@ -109,6 +126,30 @@ class MemoryManager:
         self.lookahead = STEPS_IN_FLIGHT * width
         if width > 1 and self.mamba is not None:
             self.mamba.ensure_verify(width)
+
+    # ---- tensor parallelism: the device writes of the bookkeeping -----------------------------
+    def record_device_ops(self, journal: list[tuple]) -> None:
+        """From now on append every device write the bookkeeping makes to ``journal``."""
+        self.journal = journal
+        if self.mamba is not None:
+            self.mamba.journal = journal
+        if self.prefix is not None and self.prefix.snapshots is not None:
+            self.prefix.snapshots.journal = journal
+
+    def replay_device_op(self, op: tuple) -> None:
+        """Repeat one journaled write on this rank's caches (whose books are never used)."""
+        kind, *a = op
+        if kind == "table":
+            slot, pages = a
+            self.block_table[slot, :len(pages)].copy_(torch.tensor(pages, dtype=torch.int32))
+        elif kind == "reset":
+            self.mamba.reset(a[0])
+        elif kind == "save":
+            self.prefix.snapshots.copy_in(*a)
+        elif kind == "restore":
+            self.prefix.snapshots.restore(*a)
+        else:
+            raise ValueError(f"unknown cache device op {kind!r}")
 
     # ---- capacity ----------------------------------------------------------------------------
     @property
@@ -158,6 +199,8 @@ class MemoryManager:
         self.allocator.grow(res.pages, num_tokens)
         row = torch.tensor(res.pages, dtype=torch.int32)
         self.block_table[res.slot, : len(res.pages)].copy_(row, non_blocking=False)
+        if self.journal is not None:
+            self.journal.append(("table", res.slot, list(res.pages)))
         if self.mamba is not None:
             if hit is not None and hit.snapshot is not None:
                 self.prefix.snapshots.restore(hit.snapshot, res.slot)

@@ -21,10 +21,12 @@ from blockspec.demo_family import demo_engine_kwargs
 from blockspec.engine.loop import EngineClosedError, EngineLoop, LoopStats, StreamOutput
 from blockspec.engine.request import Request
 from blockspec.engine.scheduler import Scheduler
+from blockspec.engine.tp_launch import TPWorkers, stop_engine
 from blockspec.grammar import GrammarCompiler, Matcher
 from blockspec.kernels.triton_loader import triton_importable
 from blockspec.models.loader import load_target
 from blockspec.models.nemotron_h import NemotronHForCausalLM
+from blockspec.parallel import SINGLE
 from blockspec.penalties import bias_token
 from blockspec.runtime.logprobs import TOP_LOGPROBS_MAX
 from blockspec.runtime.model_runner import ModelRunner, RunnerOptions
@@ -128,15 +130,6 @@ def available_modules() -> frozenset[str]:
     return frozenset({"triton"}) if triton_importable() else frozenset()
 
 
-def cache_layout(cfg: NemotronHConfig) -> CacheLayout:
-    return CacheLayout(
-        num_attention_layers=len(cfg.layer_ids("attention")), num_kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, num_mamba_layers=len(cfg.layer_ids("mamba")), conv_dim=cfg.conv_dim,
-        conv_kernel=cfg.conv_kernel, mamba_heads=cfg.mamba_num_heads,
-        mamba_head_dim=cfg.mamba_head_dim, ssm_state_size=cfg.ssm_state_size,
-        mamba_groups=cfg.n_groups)
-
-
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         # no model_path: the shipped demo family, DFlash on unless kwargs say otherwise
@@ -148,9 +141,18 @@ class Engine:
         tok_dir = self._tokenizer_dir(args.tokenizer_path, args.model_path)
         raw = read_config(args.model_path)
         self.dtype = resolve_dtype(args.dtype, raw, self.device)
-        model, config = load_target(args.model_path, self.dtype, self.device)
-        tokenizer = Tokenizer(tok_dir) if Tokenizer.exists(tok_dir) else None
-        self._assemble(model, config, tokenizer, draft=None)
+        # tp_size > 1: the workers start (and load their shards) while this process loads its own
+        self._tp = (TPWorkers.start(args, self.device, self.dtype, self.backends)
+                    if args.tp_size > 1 else None)
+        try:
+            model, config = load_target(args.model_path, self.dtype, self.device,
+                                        tp=self._tp.group if self._tp is not None else SINGLE)
+            tokenizer = Tokenizer(tok_dir) if Tokenizer.exists(tok_dir) else None
+            self._assemble(model, config, tokenizer, draft=None)
+        except BaseException:
+            if self._tp is not None:
+                self._tp.close()
+            raise
 
     @classmethod
     def from_model(cls, model: NemotronHForCausalLM, *, draft: Any = None,
@@ -160,6 +162,10 @@ class Engine:
         writing a checkpoint. ``kwargs`` are EngineArgs fields (no paths)."""
         self = cls.__new__(cls)
         self.args = args = EngineArgs.from_kwargs(**kwargs)
+        if args.tp_size > 1:
+            raise GenerateError("Engine.from_model runs one process; tp_size > 1 needs "
+                                "Engine(model_path=...) (each rank loads its shard)", "tp_size")
+        self._tp = None
         logging.basicConfig(level=args.log_level.upper(), format="[blockspec] %(message)s")
         param = next(model.parameters())
         self.device, self.dtype = param.device, model.backbone.norm_f.weight.dtype
@@ -197,14 +203,21 @@ class Engine:
         """Caches, runner, drafter, scheduler and the engine loop around a loaded target."""
         args = self.args
         self.model, self.config, self.tokenizer = model, config, tokenizer
-        self.memory = MemoryManager(
-            cache_layout(config), max_total_tokens=args.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS,
-            max_requests=args.max_running_requests, page_size=args.page_size, dtype=self.dtype,
-            device=self.device, prefix_cache=args.enable_radix_cache and not args.disable_radix_cache,
-            mamba_track_interval=args.mamba_track_interval, mamba_cache_slots=args.mamba_cache_slots)
-        self.runner = ModelRunner(model, self.memory, self.backends, RunnerOptions(
-            max_batch_size=args.max_running_requests, use_cuda_graph=not args.disable_cuda_graph,
-            cuda_graph_max_bs=args.cuda_graph_max_bs))
+        sizes = {"max_total_tokens": args.max_total_tokens or DEFAULT_MAX_TOTAL_TOKENS,
+                 "max_requests": args.max_running_requests, "page_size": args.page_size,
+                 "prefix_cache": args.enable_radix_cache and not args.disable_radix_cache,
+                 "mamba_track_interval": args.mamba_track_interval,
+                 "mamba_cache_slots": args.mamba_cache_slots}
+        options = RunnerOptions(max_batch_size=args.max_running_requests,
+                                use_cuda_graph=not args.disable_cuda_graph,
+                                cuda_graph_max_bs=args.cuda_graph_max_bs)
+        if self._tp is not None:     # every rank sizes its caches (its heads) as rank 0 does
+            self._tp.build(sizes, options)
+        self.memory = MemoryManager(CacheLayout.for_model(model.rank_cfg), dtype=self.dtype,
+                                    device=self.device, **sizes)
+        runner_args = (model, self.memory, self.backends, options)
+        self.runner = (self._tp.mirrored_runner(*runner_args) if self._tp is not None
+                       else ModelRunner(*runner_args))
         self.drafter = None
         if draft is not None:
             self.drafter = SpecWorker(draft, self.runner, self.backends.draft, self.dtype,
@@ -213,6 +226,8 @@ class Engine:
         elif args.speculative_algorithm:
             self.drafter = build_spec_worker(args, self.runner, self.backends.draft, self.dtype,
                                              self.device)
+        if self._tp is not None:
+            self.drafter = self._tp.ready(self.drafter)
         eos = list(config.eos_token_id)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
@@ -228,7 +243,7 @@ class Engine:
         # shutdown() is collected and its finalizer stops the thread.
         self._loop: EngineLoop | None = EngineLoop(self.scheduler, detokenize=detok,
                                                    speculative=self.drafter is not None)
-        weakref.finalize(self, self._loop.close)
+        weakref.finalize(self, stop_engine, self._loop, self._tp)
         # Called as on_step(tokens done, tokens total) while a generate call waits (the CLI's
         # progress bar); prompt tokens count as done once the request's first output arrives.
         self.on_step: Callable[[int, int], None] | None = None
@@ -368,9 +383,9 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the engine loop (running requests end with an error) and drop the model."""
-        if self._loop is not None:
-            self._loop.close()
-        self._loop = None
+        if self._loop is not None or self._tp is not None:
+            stop_engine(self._loop, self._tp)
+        self._loop = self._tp = None
         self.scheduler = None
         self.runner = None
         self.memory = None

@@ -193,6 +193,8 @@ class EngineLoop:
                 try:
                     changed = self._sched.step()
                 except Exception as e:      # noqa: BLE001 - a failed step must not kill the server
+                    if getattr(e, "fatal", False):
+                        raise               # e.g. tensor-parallel ranks out of step: no retry
                     self._isolate(e)
                 else:
                     self._steps += 1

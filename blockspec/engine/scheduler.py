@@ -251,10 +251,9 @@ class Scheduler:
         live = [i for i, req in enumerate(done) if not req.finished and id(req) not in resumed]
         if live:
             reqs = [done[i] for i in live]
-            logits = out.logits[torch.tensor([last[done_rows[i]] for i in live],
-                                             device=out.logits.device)]
             batch = self._step_batch(reqs)
-            picked = self.runner.sample_rows(logits, batch).cpu().tolist()
+            picked = self.runner.sample_rows(out.logits, batch,
+                                             [last[done_rows[i]] for i in live]).cpu().tolist()
             for req, (_, toks, lps, tops) in zip(reqs, self.runner.picked(picked, batch.sampling_key())):
                 self._append(req, toks, lps, tops)
         self._retire([req for req in done if req.finished])

@@ -36,3 +36,4 @@ class Launched:
     event: torch.cuda.Event | None = None
     tag: object = None                 # the caller's (the scheduler's requests)
     plan: Plan | None = None
+    tp_id: int = 0                     # its name on the tensor-parallel workers (tp_worker.py)

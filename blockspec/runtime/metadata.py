@@ -136,8 +136,20 @@ class StepInputs:
                 g.fill(host[b, :rows], drafts[b] if drafts is not None else ())
         n = max(len(grammars), padded)
         host[len(grammars):n, :rows] = -1
+        self._upload_masks(n, rows)
+
+    def put_masks(self, masks: torch.Tensor) -> None:
+        """Mask rows [n, rows, words] computed elsewhere (rank 0's matchers, for a
+        tensor-parallel worker), written and uploaded as ``fill_masks`` does."""
+        if self._mask_sent is not None:
+            self._mask_sent.synchronize()
+        n, rows = masks.shape[:2]
+        self.mask_host[:n, :rows] = masks
+        self._upload_masks(n, rows)
+
+    def _upload_masks(self, n: int, rows: int) -> None:
         if self.mask_dev is not self.mask_host:
-            self.mask_dev[:n, :rows].copy_(host[:n, :rows], non_blocking=True)
+            self.mask_dev[:n, :rows].copy_(self.mask_host[:n, :rows], non_blocking=True)
             self._mask_sent = torch.cuda.Event()
             self._mask_sent.record()
 

@@ -87,9 +87,13 @@ class ModelRunner:
         return self.model(meta), torch.stack([meta.positions, meta.out_slots])
 
     @torch.inference_mode()
-    def sample_rows(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Sample one token per row of ``logits`` (prefill's first tokens), through the same
-        inputs and sampler as a decode step. Returns [B, 2] float64 (token, logprob)."""
+    def sample_rows(self, logits: torch.Tensor, batch: StepBatch,
+                    rows: list[int] | None = None) -> torch.Tensor:
+        """Sample one token per row of ``logits`` (prefill's first tokens; ``rows``: of those
+        rows of it), through the same inputs and sampler as a decode step. Returns [B, 2]
+        float64 (token, logprob)."""
+        if rows is not None:
+            logits = logits[torch.tensor(rows, device=logits.device)]
         self.reserve_buffers(batch)
         self.inputs.fill(batch, batch.size)
         inp, key = self.inputs.view(batch.size), batch.sampling_key()
@@ -169,6 +173,14 @@ class ModelRunner:
     def begin_decode(self, batch: StepBatch | None, prev: Launched | None = None) -> Pending:
         """A constrained decode step's forward (``runtime/phases.py``)."""
         return self.phased.begin(batch, self._decode_plan, "decode", 1, prev)
+
+    def by_kind(self, kind: str) -> tuple[StepFn, Plan]:
+        """The step function and phased plan a step of ``kind`` runs (a tensor-parallel
+        worker names the step rank 0 launched this way); "decode" here, "spec<w>" the
+        drafter's."""
+        if kind != "decode":
+            raise KeyError(f"step kind {kind!r} is the drafter's")
+        return self.decode_step, self._decode_plan
 
     def advance_inputs(self, inp: dict[str, torch.Tensor], token: torch.Tensor,
                        committed: torch.Tensor, verified: bool) -> None:

@@ -58,6 +58,7 @@ class Pending:
     out: Any                                # the last launched phase's output
     drafts: torch.Tensor | None = None      # host copy of the drafts (speculation)
     event: torch.cuda.Event | None = None   # recorded behind that copy
+    tp_id: int = 0                          # its name on the tensor-parallel workers
 
 
 class PhasedSteps:
@@ -99,13 +100,24 @@ class PhasedSteps:
     def complete(self, pending: Pending, grammars: list[Matcher | None]) -> Launched:
         """Fill every request's masks from its matcher (walking the drafts when speculating)
         and launch the last phase; the outputs are read back as any step's."""
-        r, p = self.runner, pending
+        self.fill_masks(pending, grammars)
+        return self.finish(pending)
+
+    @torch.inference_mode()
+    def fill_masks(self, pending: Pending, grammars: list[Matcher | None]) -> None:
+        """The first half of ``complete``: the masks, from the matchers."""
+        p = pending
         drafts = None
         if p.drafts is not None:
             if p.event is not None:
                 p.event.synchronize()
             drafts = p.drafts.tolist()
-        r.inputs.fill_masks(grammars, drafts, rows=p.plan.rows, padded=p.padded or p.bs)
+        self.runner.inputs.fill_masks(grammars, drafts, rows=p.plan.rows, padded=p.padded or p.bs)
+
+    @torch.inference_mode()
+    def finish(self, pending: Pending) -> Launched:
+        """The second half of ``complete``: the last phase, over the masks filled."""
+        r, p = self.runner, pending
         last = len(p.plan.phases) - 1
         if p.padded is not None:
             out = r.graphs.replay((p.kind, last, p.key, p.padded))

@@ -38,6 +38,12 @@ def make_draft_head(choice: str, draft: nn.Module, target: nn.Module) -> NVFP4Li
     docs/benchmarks.md); CPU runs and fp32 models keep the head as stored."""
     if choice == "target":
         return None
+    tp = getattr(getattr(target, "tp", None), "size", 1)
+    if tp > 1 and getattr(draft, "lm_head", None) is None and not getattr(target, "tied_head", False):
+        # a copy of this rank's rows would score only its part of the vocabulary
+        log.info("draft lm_head: the target's head is split over %d tensor-parallel ranks; "
+                 "drafts score with it (gathered), not with a copy", tp)
+        return None
     if choice == "auto":
         w = _source_weight(draft, target)
         if w is None or not w.is_cuda or w.dtype not in (torch.bfloat16, torch.float16):

@@ -83,6 +83,11 @@ class SpecWorker:
                     rows=w, drafts_of=(lambda proposal: proposal[0]) if w > 1 else None,
                     graphs=False)
 
+    def by_kind(self, kind: str) -> tuple:
+        """The step function and phased plan of a step named ``kind`` ("spec<w>")."""
+        w = int(kind.removeprefix("spec"))
+        return self._fns[w], self._plans[w]
+
     @property
     def lookahead(self) -> int:
         return self.width
