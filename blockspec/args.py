@@ -145,6 +145,10 @@ class EngineArgs:
         1, "tensor-parallel ranks: the target's heads, channels and vocabulary split over this "
            "many processes (this one and tp_size - 1 workers it starts; NCCL on cuda:i, gloo on "
            "the CPU); drafts are replicated", aliases=("--tensor-parallel-size",))
+    ep_size: int = arg(
+        1, "expert-parallel ranks: 1 splits each MoE expert's channels over the tp_size ranks; "
+           "tp_size gives each rank n_routed_experts / tp_size whole experts (the shared expert "
+           "stays split by channels)", aliases=("--expert-parallel-size",))
     max_running_requests: int = arg(16, "most requests decoded together")
     max_total_tokens: int | None = arg(None, "cache capacity in tokens over all running requests "
                                              "(prompt + max_new_tokens each); default: 32768")
@@ -232,6 +236,9 @@ class EngineArgs:
                      "page_size", "cuda_graph_max_bs", "tp_size"):
             if getattr(self, name) < 1:
                 raise ArgsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ArgsError(f"ep_size must be 1 or tp_size ({self.tp_size}): experts split over "
+                            f"the tensor-parallel ranks, got {self.ep_size}")
         prefix_cache = self.enable_radix_cache and not self.disable_radix_cache
         if prefix_cache and (self.mamba_track_interval < 1
                              or self.mamba_track_interval % self.page_size):

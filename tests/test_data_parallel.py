@@ -105,6 +105,11 @@ def test_busy_replica_loses_its_prefix_affinity():
     assert r.pick(shared + [5, 5, 5, 5]) != home
 
 
+def test_dp_with_tp_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="tp-size"):
+        DataParallelEngine.build(2, model_path=str(tmp_path), tp_size=2)
+
+
 def test_abort_reaches_the_replica_and_unknown_ids_are_refused(dp):
     _, engine, _ = dp
     done = []

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from blockspec.args import ArgsError
+from blockspec.args import ArgsError, EngineArgs
 from blockspec.cache import CacheLayout, MemoryManager
 from blockspec.cli import build_parser
 from blockspec.engine import tp_launch
@@ -275,3 +275,28 @@ def test_flags_and_refusals(tiny: Path) -> None:
         Engine(model_path=str(tiny), tp_size=0)
     with pytest.raises(GenerateError, match="from_model"):
         Engine.from_model(Engine(model_path=str(tiny), device="cpu").model, tp_size=2)
+
+
+def test_expert_parallel_engine_equals_single_process(tiny: Path) -> None:
+    """--ep-size 2 over the two ranks: each loads half the routed experts (renumbered), the
+    same tokens come out, greedy and seeded."""
+    one = Engine(model_path=str(tiny), **ENGINE)
+    two = Engine(model_path=str(tiny), tp_size=2, ep_size=2, **ENGINE)
+    try:
+        moe = next(b.mixer for b in two.model.backbone.layers if b.kind == "moe")
+        assert len(moe.experts) * 2 == two.config.n_routed_experts and moe.local == (0, 2)
+        for sp in ({"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+                   {"max_new_tokens": 8, "temperature": 1.0, "seed": 5, "ignore_eos": True}):
+            want = one.generate(input_ids=PROMPTS, sampling_params=sp)
+            assert _ids(two.generate(input_ids=PROMPTS, sampling_params=sp)) == _ids(want)
+    finally:
+        two.shutdown()
+        one.shutdown()
+
+
+def test_expert_parallel_flags() -> None:
+    for flag in ("--ep-size", "--expert-parallel-size"):
+        ns = build_parser().parse_args(["generate", "x", "--tp-size", "2", flag, "2"])
+        assert ns.ep_size == 2
+    with pytest.raises(ArgsError, match="ep_size must be 1 or tp_size"):
+        EngineArgs(model_path="x", tp_size=2, ep_size=4).validate()

@@ -96,6 +96,9 @@ class DataParallelEngine:
         (an explicit ``cuda:k`` device starts the count at k)."""
         if dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {dp_size}")
+        if dp_size > 1 and engine_kwargs.get("tp_size", 1) > 1:
+            raise ValueError("--dp-size > 1 with --tp-size > 1 is not supported: the replicas "
+                             "share this process, which holds one tensor-parallel group")
         first = Engine(**engine_kwargs)
         replicas = [first]
         try:

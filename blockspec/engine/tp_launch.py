@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -62,10 +62,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _join(rank: int, size: int, port: int, device: str,
-          timeout: float) -> tuple[TPGroup, PlanChannel]:
-    tp = init_tp(f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                 backend="nccl" if device == "cuda" else "gloo", timeout=timeout)
+def _join(rank: int, size: int, port: int, device: str, timeout: float,
+          ep: bool) -> tuple[TPGroup, PlanChannel]:
+    tp = replace(init_tp(f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                         backend="nccl" if device == "cuda" else "gloo", timeout=timeout), ep=ep)
     plans = dist.new_group(backend="gloo", timeout=PLAN_TIMEOUT)
     return tp, PlanChannel(plans, timeout=timeout if rank == 0 else None)
 
@@ -93,7 +93,7 @@ def _work(rank: int, size: int, port: int, spec: WorkerSpec, reports: Any) -> No
     else:
         torch.set_num_threads(spec.threads)
         device = torch.device("cpu")
-    tp, channel = _join(rank, size, port, spec.device, spec.timeout)
+    tp, channel = _join(rank, size, port, spec.device, spec.timeout, spec.args.ep_size > 1)
     model, _ = load_target(spec.args.model_path, spec.dtype, device, tp=tp)
     _, (name, *build) = channel.recv()
     if name == "stop":              # rank 0 failed before it built anything
@@ -151,7 +151,7 @@ class TPWorkers:
         try:
             joined: list = []
             t = threading.Thread(target=lambda: joined.append(
-                _join(0, size, port, device.type, spec.timeout)), daemon=True)
+                _join(0, size, port, device.type, spec.timeout, args.ep_size > 1)), daemon=True)
             t.start()
             self._wait(lambda: not t.is_alive(), "join the process group")
             if not joined:
