@@ -149,6 +149,12 @@ class EngineArgs:
         1, "expert-parallel ranks: 1 splits each MoE expert's channels over the tp_size ranks; "
            "tp_size gives each rank n_routed_experts / tp_size whole experts (the shared expert "
            "stays split by channels)", aliases=("--expert-parallel-size",))
+    nnodes: int = arg(1, "machines the tp_size ranks span (tp_size / nnodes ranks each); node "
+                         "0 schedules and serves, the others only run their ranks")
+    node_rank: int = arg(0, "this machine's index among the nnodes (0 schedules and serves)")
+    dist_init_addr: str | None = arg(None, "HOST:PORT of node 0's rendezvous for the ranks of "
+                                           "every node (needed with nnodes > 1; default: a free "
+                                           "port on 127.0.0.1)")
     max_running_requests: int = arg(16, "most requests decoded together")
     max_total_tokens: int | None = arg(None, "cache capacity in tokens over all running requests "
                                              "(prompt + max_new_tokens each); default: 32768")
@@ -236,6 +242,16 @@ class EngineArgs:
                      "page_size", "cuda_graph_max_bs", "tp_size"):
             if getattr(self, name) < 1:
                 raise ArgsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ArgsError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1:
+            if self.tp_size % self.nnodes:
+                raise ArgsError(f"tp_size ({self.tp_size}) must be a multiple of nnodes "
+                                f"({self.nnodes}): each node runs tp_size / nnodes ranks")
+            host, _, port = (self.dist_init_addr or "").rpartition(":")
+            if not host or not port.isdigit():
+                raise ArgsError("nnodes > 1 needs dist_init_addr HOST:PORT (node 0's "
+                                f"rendezvous), got {self.dist_init_addr!r}")
         if self.ep_size not in (1, self.tp_size):
             raise ArgsError(f"ep_size must be 1 or tp_size ({self.tp_size}): experts split over "
                             f"the tensor-parallel ranks, got {self.ep_size}")

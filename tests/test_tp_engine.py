@@ -300,3 +300,53 @@ def test_expert_parallel_flags() -> None:
         assert ns.ep_size == 2
     with pytest.raises(ArgsError, match="ep_size must be 1 or tp_size"):
         EngineArgs(model_path="x", tp_size=2, ep_size=4).validate()
+
+
+def _node(folder: str, addr: str) -> None:
+    from blockspec.engine.worker_node import run_worker_node  # lazy: runs in the spawned node
+
+    run_worker_node(model_path=folder, device="cpu", tp_size=2, nnodes=2, node_rank=1,
+                    dist_init_addr=addr, **{k: v for k, v in ENGINE.items() if k != "device"})
+
+
+def test_two_nodes_on_loopback_equal_single_process(tiny: Path) -> None:
+    """--nnodes 2: node 1 (another process, as another machine would be) runs rank 1 only and
+    joins node 0's rendezvous at --dist-init-addr; node 0's engine answers as one process
+    does, and its shutdown ends node 1."""
+    import multiprocessing
+
+    addr = f"127.0.0.1:{tp_launch._free_port()}"
+    node = multiprocessing.get_context("spawn").Process(target=_node, args=(str(tiny), addr))
+    node.start()
+    one = Engine(model_path=str(tiny), **ENGINE)
+    try:
+        two = Engine(model_path=str(tiny), tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr,
+                     **ENGINE)
+        try:
+            assert two._tp.procs == []                       # rank 1 lives on node 1
+            sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+            want = one.generate(input_ids=PROMPTS, sampling_params=sp)
+            assert _ids(two.generate(input_ids=PROMPTS, sampling_params=sp)) == _ids(want)
+        finally:
+            two.shutdown()
+        node.join(60)
+        assert node.exitcode == 0
+    finally:
+        one.shutdown()
+        if node.is_alive():
+            node.kill()
+
+
+def test_multi_node_flags() -> None:
+    ns = build_parser().parse_args(["serve", "--model-path", "x", "--tp-size", "2", "--nnodes",
+                                    "2", "--node-rank", "1", "--dist-init-addr", "h:5000"])
+    assert (ns.nnodes, ns.node_rank, ns.dist_init_addr) == (2, 1, "h:5000")
+    with pytest.raises(ArgsError, match="dist_init_addr"):
+        EngineArgs(model_path="x", tp_size=2, nnodes=2).validate()
+    with pytest.raises(ArgsError, match="multiple of nnodes"):
+        EngineArgs(model_path="x", tp_size=3, nnodes=2, dist_init_addr="h:1").validate()
+    with pytest.raises(ArgsError, match="node_rank"):
+        EngineArgs(model_path="x", tp_size=2, nnodes=2, node_rank=2,
+                   dist_init_addr="h:1").validate()
+    with pytest.raises(ArgsError, match="node_rank > 0"):
+        Engine(model_path="x", tp_size=2, nnodes=2, node_rank=1, dist_init_addr="h:1")

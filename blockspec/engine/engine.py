@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from blockspec.args import DeviceInfo, EngineArgs, resolve_attention_backends
+from blockspec.args import ArgsError, DeviceInfo, EngineArgs, resolve_attention_backends
 from blockspec.cache import CacheLayout, MemoryManager
 from blockspec.checkpoint import read_config, resolve_dtype
 from blockspec.configs.nemotron_h import NemotronHConfig
@@ -130,11 +130,24 @@ def available_modules() -> frozenset[str]:
     return frozenset({"triton"}) if triton_importable() else frozenset()
 
 
+def engine_backends(args: EngineArgs, device: torch.device, speculative: str | None):
+    """The attention backends ``args`` resolve to on ``device``."""
+    return resolve_attention_backends(
+        device_info(device), attention_backend=args.attention_backend,
+        prefill_attention_backend=args.prefill_attention_backend,
+        decode_attention_backend=args.decode_attention_backend,
+        speculative_draft_attention_backend=args.speculative_draft_attention_backend,
+        speculative_algorithm=speculative, available=available_modules())
+
+
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         # no model_path: the shipped demo family, DFlash on unless kwargs say otherwise
         model_path, kwargs = demo_engine_kwargs(model_path, kwargs)
         self.args = args = EngineArgs.from_kwargs(model_path=model_path, **kwargs)
+        if args.node_rank > 0:
+            raise ArgsError("node_rank > 0 runs only that node's tensor-parallel ranks, no "
+                            "engine: use `blockspec serve --node-rank N` (run_worker_node)")
         logging.basicConfig(level=args.log_level.upper(), format="[blockspec] %(message)s")
         self.device = resolve_device(args.device)
         self._resolve_backends(args.speculative_algorithm)      # bad flags fail before any load
@@ -190,13 +203,7 @@ class Engine:
         return path
 
     def _resolve_backends(self, speculative: str | None) -> None:
-        args = self.args
-        self.backends = resolve_attention_backends(
-            device_info(self.device), attention_backend=args.attention_backend,
-            prefill_attention_backend=args.prefill_attention_backend,
-            decode_attention_backend=args.decode_attention_backend,
-            speculative_draft_attention_backend=args.speculative_draft_attention_backend,
-            speculative_algorithm=speculative, available=available_modules())
+        self.backends = engine_backends(self.args, self.device, speculative)
 
     def _assemble(self, model: NemotronHForCausalLM, config: NemotronHConfig,
                   tokenizer: Tokenizer | None, draft: Any) -> None:

@@ -51,9 +51,10 @@ class WorkerSpec:
     backends: ResolvedBackends
     dtype: torch.dtype
     device: str                      # "cpu" or "cuda"
-    first_gpu: int                   # rank i runs on cuda:<first_gpu + i>
+    first_gpu: int                   # rank i runs on cuda:<first_gpu + i - first_rank>
     threads: int                     # CPU threads per worker
     timeout: float                   # seconds a collective may wait (COLLECTIVE_TIMEOUT_S)
+    first_rank: int = 0              # the first rank on this node (multi-node)
 
 
 def _free_port() -> int:
@@ -62,19 +63,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _join(rank: int, size: int, port: int, device: str, timeout: float,
+def _join(rank: int, size: int, addr: str, device: str, timeout: float,
           ep: bool) -> tuple[TPGroup, PlanChannel]:
-    tp = replace(init_tp(f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+    tp = replace(init_tp(f"tcp://{addr}", rank=rank, world_size=size,
                          backend="nccl" if device == "cuda" else "gloo", timeout=timeout), ep=ep)
     plans = dist.new_group(backend="gloo", timeout=PLAN_TIMEOUT)
     return tp, PlanChannel(plans, timeout=timeout if rank == 0 else None)
 
 
-def _worker_main(rank: int, size: int, port: int, spec: WorkerSpec, reports: Any) -> None:
+def _worker_main(rank: int, size: int, addr: str, spec: WorkerSpec, reports: Any) -> None:
     """A worker process: join, load the shard, build on rank 0's word, serve the plans; on
     any failure, report it to rank 0 and exit."""
     try:
-        _work(rank, size, port, spec, reports)
+        _work(rank, size, addr, spec, reports)
     except BaseException:       # noqa: BLE001 - reported to rank 0, then this process ends
         reports.put(("error", rank, traceback.format_exc()))
         reports.close()
@@ -85,15 +86,16 @@ def _worker_main(rank: int, size: int, port: int, spec: WorkerSpec, reports: Any
         dist.destroy_process_group()
 
 
-def _work(rank: int, size: int, port: int, spec: WorkerSpec, reports: Any) -> None:
+def _work(rank: int, size: int, addr: str, spec: WorkerSpec, reports: Any) -> None:
     logging.basicConfig(level=spec.args.log_level.upper(), format=f"[blockspec tp{rank}] %(message)s")
     if spec.device == "cuda":
-        torch.cuda.set_device(spec.first_gpu + rank)
-        device = torch.device("cuda", spec.first_gpu + rank)
+        gpu = spec.first_gpu + rank - spec.first_rank
+        torch.cuda.set_device(gpu)
+        device = torch.device("cuda", gpu)
     else:
         torch.set_num_threads(spec.threads)
         device = torch.device("cpu")
-    tp, channel = _join(rank, size, port, spec.device, spec.timeout, spec.args.ep_size > 1)
+    tp, channel = _join(rank, size, addr, spec.device, spec.timeout, spec.args.ep_size > 1)
     model, _ = load_target(spec.args.model_path, spec.dtype, device, tp=tp)
     _, (name, *build) = channel.recv()
     if name == "stop":              # rank 0 failed before it built anything
@@ -128,30 +130,37 @@ class TPWorkers:
         if dist.is_initialized():
             raise ArgsError("tp_size > 1 starts its own worker processes, but torch.distributed "
                             "is already initialized in this process")
+        per_node = size // args.nnodes
+        first_rank = args.node_rank * per_node       # this node's ranks: first_rank + 0 .. per_node-1
         if device.type == "cuda":
             first = device.index or 0
-            if first + size > torch.cuda.device_count():
-                raise ArgsError(f"tp_size={size} needs GPUs cuda:{first}..cuda:{first + size - 1}, "
-                                f"but {torch.cuda.device_count()} are visible")
+            if first + per_node > torch.cuda.device_count():
+                raise ArgsError(f"tp_size={size} over nnodes={args.nnodes} needs GPUs "
+                                f"cuda:{first}..cuda:{first + per_node - 1} here, but "
+                                f"{torch.cuda.device_count()} are visible")
             if args.speculative_adaptive:
                 raise ArgsError("speculative_adaptive is not supported with tp_size > 1 on CUDA "
                                 "(its step-time table is measured by graph replays on rank 0 only)")
         else:
             first = 0
-        threads = max(1, (os.cpu_count() or 1) // size)
-        spec = WorkerSpec(args, backends, dtype, device.type, first, threads, COLLECTIVE_TIMEOUT_S)
+        threads = max(1, (os.cpu_count() or 1) // per_node)
+        spec = WorkerSpec(args, backends, dtype, device.type, first, threads, COLLECTIVE_TIMEOUT_S,
+                          first_rank)
         ctx = mp.get_context("spawn")
         reports = ctx.Queue()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker_main, args=(r, size, port, spec, reports),
-                             name=f"blockspec-tp{r}", daemon=True) for r in range(1, size)]
+        addr = args.dist_init_addr or f"127.0.0.1:{_free_port()}"
+        local = range(max(first_rank, 1), first_rank + per_node)     # rank 0 is this process
+        procs = [ctx.Process(target=_worker_main, args=(r, size, addr, spec, reports),
+                             name=f"blockspec-tp{r}", daemon=args.node_rank == 0) for r in local]
         for p in procs:
             p.start()
+        if args.node_rank > 0:          # a node of workers only: rank 0 is elsewhere
+            return cls(procs, reports)
         self = cls(procs, reports)
         try:
             joined: list = []
             t = threading.Thread(target=lambda: joined.append(
-                _join(0, size, port, device.type, spec.timeout, args.ep_size > 1)), daemon=True)
+                _join(0, size, addr, device.type, spec.timeout, args.ep_size > 1)), daemon=True)
             t.start()
             self._wait(lambda: not t.is_alive(), "join the process group")
             if not joined:
@@ -187,7 +196,8 @@ class TPWorkers:
     def dead(self) -> str | None:
         """Why a worker is gone (its reported error, else its exit code), or None."""
         self._drain()
-        for rank, p in enumerate(self.procs, start=1):
+        for p in self.procs:
+            rank = int(p.name.rpartition("tp")[2])
             if rank in self.errors or p.exitcode is not None:
                 time.sleep(0.05)            # its report may be a moment behind its exit
                 self._drain()
@@ -241,6 +251,23 @@ class TPWorkers:
             self.group = None
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+
+
+def run_node(args: EngineArgs, device: torch.device, dtype: torch.dtype,
+             backends: ResolvedBackends) -> None:
+    """A node other than 0 (``--node-rank`` > 0): start this node's ranks and wait until rank
+    0 stops them (its "stop" plan). Raises TPError naming a rank that failed."""
+    workers = TPWorkers.start(args, device, dtype, backends)
+    try:
+        for p in workers.procs:
+            p.join()
+        why = workers.dead() if any(p.exitcode for p in workers.procs) else None
+        if why is not None:
+            raise TPError(f"tensor parallelism: {why}")
+    finally:
+        for p in workers.procs:
+            if p.is_alive():
+                p.terminate()
 
 
 def stop_engine(loop: Any, tp: TPWorkers | None) -> None:

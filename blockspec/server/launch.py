@@ -21,6 +21,7 @@ from blockspec.args import EngineArgs
 from blockspec.demo_family import describe
 from blockspec.engine import Engine
 from blockspec.engine.data_parallel import DataParallelEngine
+from blockspec.engine.worker_node import run_worker_node
 from blockspec.server.app import create_app
 from blockspec.server.args import ServerArgs, server_args
 from blockspec.server.client import EngineClient
@@ -105,6 +106,12 @@ def run(ns: argparse.Namespace) -> int:
     sargs = server_args(ns)
     engine_kwargs = {f.name: getattr(ns, f.name) for f in fields(EngineArgs)
                      if f.name != "extra" and hasattr(ns, f.name)}
+    if engine_kwargs.get("node_rank", 0) > 0:      # this node runs its ranks; node 0 serves
+        print(f"blockspec serve: node {ns.node_rank} of {ns.nnodes}, tensor-parallel ranks only "
+              f"(rendezvous {ns.dist_init_addr})", file=sys.stderr, flush=True)
+        run_worker_node(**engine_kwargs)
+        print("blockspec serve: stopped (node 0 shut the ranks down)", file=sys.stderr, flush=True)
+        return 0
     sock = bind(sargs.host, sargs.port)          # a busy port fails before the model loads
     try:
         engine = (Engine(**engine_kwargs) if sargs.dp_size == 1
