@@ -12,7 +12,7 @@ Run it in a separate virtualenv (ModelOpt is heavy and pins its own stack)::
     /work/venv-modelopt/bin/pip install torch==2.13.0
     /work/venv-modelopt/bin/pip install transformers==5.23.0 nvidia-modelopt==0.47.0 \
         requests safetensors
-    /work/venv-modelopt/bin/python scripts/make_modelopt_fixtures.py
+    /work/venv-modelopt/bin/python scripts/make_modelopt_fixtures.py [--tp2]
 
 Outputs (all deterministic; same bytes across runs):
 
@@ -42,13 +42,17 @@ MODEL_SEED = 1234
 CALIB_SEED = 99
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "tests" / "fixtures" / "modelopt"
+TP2_OUT = ROOT / "tests" / "fixtures" / "modelopt_tp2"
+TP2_RECIPES = ("nvfp4", "mixed_lightning")
 
 
-def build_model():
+def build_model(tp2: bool = False):
     """A tiny Nemotron-H covering Mamba (M), attention (*), MoE (E) and dense MLP (-) blocks.
 
     hidden 32 keeps every K a multiple of 16; in_proj has 98 outputs (not a multiple of 16)
-    on purpose.  The router gate is redrawn because HF zero-initialises it.
+    on purpose.  The router gate is redrawn because HF zero-initialises it.  ``tp2``: a
+    variant two tensor-parallel ranks can split (2 Mamba groups, expert width 32, so each
+    rank's slice of a packed row-parallel input is whole scale groups of 16).
     """
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
@@ -63,12 +67,12 @@ def build_model():
         mamba_num_heads=2,
         mamba_head_dim=16,
         ssm_state_size=16,
-        n_groups=1,
+        n_groups=2 if tp2 else 1,
         conv_kernel=4,
         chunk_size=16,
         n_routed_experts=4,
         num_experts_per_tok=2,
-        moe_intermediate_size=16,
+        moe_intermediate_size=32 if tp2 else 16,
         moe_shared_expert_intermediate_size=32,
         routed_scaling_factor=2.5,
         max_position_embeddings=256,
@@ -215,8 +219,12 @@ def write_sha256sums(root: pathlib.Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    ap.add_argument("--tp2", action="store_true",
+                    help=f"the tensor-parallel variant ({', '.join(TP2_RECIPES)}) into "
+                         "tests/fixtures/modelopt_tp2")
     args = ap.parse_args()
+    args.out = args.out or (TP2_OUT if args.tp2 else DEFAULT_OUT)
 
     import modelopt
     import modelopt.torch.quantization as mtq
@@ -227,11 +235,13 @@ def main() -> None:
         shutil.rmtree(out)
     out.mkdir(parents=True)
 
-    base = build_model()
+    base = build_model(args.tp2)
     base.save_pretrained(str(out / "dense"))
     batches = calib_batches()
 
     for name, qcfg in recipes(mtq).items():
+        if args.tp2 and name not in TP2_RECIPES:
+            continue
         model = copy.deepcopy(base)
 
         def forward_loop(m, _batches=batches):
