@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from blockspec.engine.engine import Engine, GenerateError
 from blockspec.engine.loop import LoopStats, StreamOutput
 from blockspec.sampling import SamplingParams
@@ -103,6 +105,10 @@ class DataParallelEngine:
         replicas = [first]
         try:
             dev = first.device
+            if dev.type == "cuda" and (dev.index or 0) + dp_size > torch.cuda.device_count():
+                raise ValueError(f"--dp-size {dp_size} needs GPUs cuda:{dev.index or 0}.."
+                                 f"cuda:{(dev.index or 0) + dp_size - 1}, but "
+                                 f"{torch.cuda.device_count()} are visible")
             for i in range(1, dp_size):
                 kw = dict(engine_kwargs)
                 if dev.type == "cuda":
