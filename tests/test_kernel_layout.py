@@ -7,6 +7,7 @@ would be decorated once, in whichever mode the process happened to start in, and
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "blockspec"
@@ -18,9 +19,11 @@ def _is_kernel_file(path: Path) -> bool:
         "_kernels.py")
 
 
-def _sources() -> list[tuple[Path, ast.Module]]:
-    return [(p, ast.parse(p.read_text(encoding="utf-8"), str(p)))
-            for p in sorted(PACKAGE.rglob("*.py"))]
+@functools.cache
+def _sources() -> tuple[tuple[Path, ast.Module], ...]:
+    """Every package file parsed, once for the module's tests (they only read the trees)."""
+    return tuple((p, ast.parse(p.read_text(encoding="utf-8"), str(p)))
+                 for p in sorted(PACKAGE.rglob("*.py")))
 
 
 def _imports_triton(node: ast.AST) -> bool:

@@ -72,47 +72,88 @@ def greedy_run(folder: Path, tp: TPGroup) -> tuple[list[torch.Tensor], list[list
     return logits_seen, tokens
 
 
-def _rank(rank: int, size: int, port: int, folder: str, results) -> None:
+def _rank(rank: int, size: int, port: int, jobs, results) -> None:
+    """One rank for the whole module: joins the group once, then runs ``greedy_run`` on every
+    folder it is sent until it gets None (spawning two ranks per case cost seconds each)."""
     tp = init_tp(f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, backend="gloo")
     try:
-        logits, tokens = greedy_run(Path(folder), tp)
-        # numpy pickles by value: a tensor would be shared through a handle that dies with us
-        results.put((rank, [x.numpy() for x in logits], tokens))
-    except BaseException as e:
-        results.put((rank, None, repr(e)))
-        raise
+        while (folder := jobs.get()) is not None:
+            try:
+                logits, tokens = greedy_run(Path(folder), tp)
+            except BaseException as e:
+                results.put((rank, None, repr(e)))
+                raise
+            # numpy pickles by value: a tensor would be shared through a handle that dies with us
+            results.put((rank, [x.numpy() for x in logits], tokens))
     finally:
         torch.distributed.destroy_process_group()
 
 
-def run_ranks(folder: Path, size: int = 2) -> list:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, size, port, str(folder), results))
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    out = []
-    try:
-        for _ in procs:
-            item = results.get(timeout=120)
-            assert item[1] is not None, f"rank {item[0]} failed: {item[2]}"
-            out.append(item)
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:              # a rank left waiting on a failed peer
+class Ranks:
+    """``size`` gloo ranks (spawned processes) kept for the module's cases; each case sends
+    them its folder. A failed rank fails that case at once and every rank is ended (the next
+    case starts new ones)."""
+
+    def __init__(self, size: int = 2) -> None:
+        self.size = size
+        self.procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(self.size)]
+        port = _free_port()
+        self.procs = [ctx.Process(target=_rank, args=(r, self.size, port, q, self.results))
+                      for r, q in enumerate(self.jobs)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, folder: Path) -> list:
+        if not self.procs:
+            self._start()
+        for q in self.jobs:
+            q.put(str(folder))
+        out = []
+        try:
+            for _ in self.procs:
+                item = self.results.get(timeout=120)
+                assert item[1] is not None, f"rank {item[0]} failed: {item[2]}"
+                out.append(item)
+        except BaseException:
+            self.end()
+            raise
+        return sorted(out, key=lambda x: x[0])
+
+    def end(self) -> None:
+        for p in self.procs:             # a rank left waiting on a failed peer
             if p.is_alive():
                 p.terminate()
-    return sorted(out, key=lambda x: x[0])
+        self.procs = []
+
+    def close(self) -> None:
+        """Stop the ranks; each must have exited cleanly."""
+        procs = self.procs
+        for q in self.jobs if procs else []:
+            q.put(None)
+        try:
+            for p in procs:
+                p.join(timeout=60)
+                assert p.exitcode == 0
+        finally:
+            self.end()
 
 
-def _assert_equal_runs(folder: Path, atol: float) -> None:
+@pytest.fixture(scope="module")
+def ranks():
+    pool = Ranks()
+    yield pool
+    pool.close()
+
+
+def _assert_equal_runs(pool: Ranks, folder: Path, atol: float) -> None:
     ref_logits, ref_tokens = greedy_run(folder, SINGLE)
     assert ref_logits[0].shape[-1] == TINY_CONFIG["vocab_size"]
-    ranks = run_ranks(folder)
+    ranks = pool.run(folder)
     assert [r for r, _, _ in ranks] == [0, 1]
     for _, logits, tokens in ranks:
         assert tokens == ref_tokens
@@ -127,20 +168,21 @@ def tiny(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tp") / "tiny", seed=3)
 
 
-def test_tp2_matches_single_process(tiny: Path) -> None:
-    _assert_equal_runs(tiny, atol=1e-4)
+def test_tp2_matches_single_process(ranks: Ranks, tiny: Path) -> None:
+    _assert_equal_runs(ranks, tiny, atol=1e-4)
 
 
 @pytest.mark.parametrize("algo", ["NVFP4", "W4A16_NVFP4", "FP8"])
-def test_tp2_quantized_matches_single_process(tiny: Path, tmp_path: Path, algo: str) -> None:
+def test_tp2_quantized_matches_single_process(ranks: Ranks, tiny: Path, tmp_path: Path,
+                                             algo: str) -> None:
     out = tmp_path / algo.lower()
     report = quantize_checkpoint(tiny, out, algo)
     # row-parallel projections split their packed input dimension and its scale groups
     assert {"backbone.layers.0.mixer.out_proj", "backbone.layers.1.mixer.o_proj"} <= set(report.formats)
-    _assert_equal_runs(out, atol=1e-3)
+    _assert_equal_runs(ranks, out, atol=1e-3)
 
 
-def test_tp2_variants_match_single_process(tmp_path: Path) -> None:
+def test_tp2_variants_match_single_process(ranks: Ranks, tmp_path: Path) -> None:
     """One KV head for two ranks (replicated), random biases on every projection (row-parallel
     ones added once), a dense MLP block, a latent MoE and a tied head."""
     raw = dict(TINY_CONFIG, hybrid_override_pattern="M*-E", num_key_value_heads=1,
@@ -157,7 +199,7 @@ def test_tp2_variants_match_single_process(tmp_path: Path) -> None:
     folder.mkdir()
     save_file(state, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(raw))
-    _assert_equal_runs(folder, atol=1e-4)
+    _assert_equal_runs(ranks, folder, atol=1e-4)
 
 
 def test_each_rank_holds_only_its_share(tiny: Path) -> None:

@@ -12,11 +12,6 @@ _cos_sin = load_kernels(Path(__file__).with_name("_rotary_kernels.py"))._cos_sin
 
 
 @triton.jit
-def _add_fn(a, b):
-    return a + b
-
-
-@triton.jit
 def _norm_rope(X, NW, pos, F, heads, half, eps, DT: tl.constexpr, BLOCK_H: tl.constexpr,
                BLOCK_D: tl.constexpr):
     """``heads`` heads of ``2 * half`` values at X, each RMS-normalised with the weight at NW
@@ -31,7 +26,9 @@ def _norm_rope(X, NW, pos, F, heads, half, eps, DT: tl.constexpr, BLOCK_H: tl.co
     off = h[:, None].to(tl.int64) * d + i[None, :]
     x1 = tl.load(X + off, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(X + off + half, mask=m, other=0.0).to(tl.float32)
-    ss = tl.reduce(x1 * x1, 1, _add_fn) + tl.reduce(x2 * x2, 1, _add_fn)
+    # tl.standard's sum combine: numpy in the interpreter (see triton_loader)
+    ss = (tl.reduce(x1 * x1, 1, tl.standard._sum_combine)
+          + tl.reduce(x2 * x2, 1, tl.standard._sum_combine))
     rstd = (1.0 / tl.sqrt(ss / d + eps))[:, None]
     w1 = tl.load(NW + i, mask=mi, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(NW + half + i, mask=mi, other=0.0).to(tl.float32)[None, :]

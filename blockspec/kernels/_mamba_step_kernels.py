@@ -5,11 +5,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_fn(a, b):
-    return a + b
-
-
-@triton.jit
 def _silu(x):
     return x / (1.0 + tl.exp(-x))
 
@@ -120,7 +115,8 @@ def _mamba_steps_kernel(
         decay = tl.exp(dt * a)
         dx = dt * x
         state = tl.fma(state, decay, dx[:, None] * bv[None, :])
-        y = tl.reduce(state * cv[None, :], 1, _add_fn) + dskip * x
+        # tl.standard's sum combine: numpy in the interpreter (see triton_loader)
+        y = tl.reduce(state * cv[None, :], 1, tl.standard._sum_combine) + dskip * x
         tl.store(Y + row * s_y + h * P + p, y)
         if not COMMIT:
             ss = STEP_SCRATCH + slot * s_sss + t * s_sst

@@ -5,11 +5,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_fn(a, b):
-    return a + b
-
-
-@triton.jit
 def _argmax_fn(av, ai, bv, bi):
     """Larger value wins; equal values keep the smaller index (torch.argmax's first maximum)."""
     take_a = (av > bv) | ((av == bv) & (ai < bi))
@@ -50,8 +45,10 @@ def _markov_slot_kernel(BASE, W1, W2, ANCHOR, PV, PI, TOK, k, V, R, NB, GAMMA,
         cm = cols < V
         w = tl.load(W2 + cols[:, None].to(tl.int64) * s_w2 + r[None, :],
                     mask=cm[:, None] & rm[None, :], other=0.0).to(tl.float32)
-        # rounded to the weight dtype as the linear layer's output is
-        bias = tl.reduce(w * e[None, :], 1, _add_fn).to(W2.dtype.element_ty).to(tl.float32)
+        # rounded to the weight dtype as the linear layer's output is; tl.standard's sum combine:
+        # the same code as a local one when compiled, and the interpreter sums it with numpy
+        bias = tl.reduce(w * e[None, :], 1, tl.standard._sum_combine)
+        bias = bias.to(W2.dtype.element_ty).to(tl.float32)
         logit = tl.load(BASE + b * s_bb + k * s_bk + cols, mask=cm, other=0.0).to(tl.float32) + bias
         logit = tl.where(cm, logit, float("-inf"))
         best_v, best_i = tl.reduce((logit, cols), 0, _argmax_fn)

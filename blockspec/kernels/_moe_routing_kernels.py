@@ -7,9 +7,8 @@ import triton.language as tl
 _TAKEN = tl.constexpr(1 << 30)
 
 
-@triton.jit
-def _add_fn(a, b):
-    return a + b
+# sums and running sums pass tl.standard's sum combine: the code a local one compiles to, and
+# the interpreter sums with numpy instead of one Python call per element (see triton_loader)
 
 
 @triton.jit
@@ -80,7 +79,7 @@ def _route_kernel(LOGITS, BIAS, IDS, W, s_l, s_split, scale,
     xk = _logits(LOGITS + row * s_l + ids, live, s_split, SPLITS)
     w = tl.where(live, 1.0 / (1.0 + tl.exp(-xk)), 0.0)
     if NORM:
-        w = w / (tl.reduce(w, 0, _add_fn) + 1e-20)
+        w = w / (tl.reduce(w, 0, tl.standard._sum_combine) + 1e-20)
     tl.store(IDS + row * K + kk, ids.to(tl.int64), mask=live)
     tl.store(W + row * K + kk, w * scale, mask=live)
 
@@ -101,7 +100,7 @@ def _sort_by_expert_kernel(IDS, ORDER, OFFSETS, P, E: tl.constexpr, BLOCK_E: tl.
         ids = tl.load(IDS + p, mask=p < P, other=0).to(tl.int32)
         counts += tl.histogram(ids, BLOCK_E, mask=p < P)
         c += 1
-    ends = tl.associative_scan(counts, 0, _add_fn)
+    ends = tl.associative_scan(counts, 0, tl.standard._sum_combine)
     tl.store(OFFSETS + 1 + e, ends.to(tl.int64), mask=e < E)
     tl.store(OFFSETS + e, tl.full([BLOCK_E], 0, tl.int64), mask=e == 0)
     free = ends - counts
@@ -111,7 +110,8 @@ def _sort_by_expert_kernel(IDS, ORDER, OFFSETS, P, E: tl.constexpr, BLOCK_E: tl.
         live = p < P
         ids = tl.load(IDS + p, mask=live, other=0).to(tl.int32)
         before = (ids[:, None] == ids[None, :]) & (r[None, :] < r[:, None])
-        pos = tl.gather(free, ids, 0) + tl.reduce(before.to(tl.int32), 1, _add_fn)
+        pos = tl.gather(free, ids, 0) + tl.reduce(before.to(tl.int32), 1,
+                                                  tl.standard._sum_combine)
         tl.store(ORDER + pos, p.to(tl.int64), mask=live)
         free += tl.histogram(ids, BLOCK_E, mask=live)
         c += 1

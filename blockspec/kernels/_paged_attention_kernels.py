@@ -3,17 +3,8 @@ layout of the work; ``kernels/triton_loader.py`` loads this file once per mode).
 import triton
 import triton.language as tl
 
-# Reductions go through tl.reduce with this module's combine functions (see triton_loader).
-
-
-@triton.jit
-def _max_fn(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add_fn(a, b):
-    return a + b
+# Reductions go through tl.reduce with tl.standard's max and sum combines (see triton_loader):
+# the same code as local ones when compiled, and the interpreter reduces them with numpy.
 
 
 @triton.jit
@@ -37,11 +28,11 @@ def _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, dmask, kp, kmask, qpos
     if WINDOWED:
         allowed = allowed & ((qpos[:, None] - kp[None, :]) < window)
     s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_fn))
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.reduce(p, 1, _add_fn)
+    l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     else:
