@@ -1,24 +1,23 @@
 """Expert parallelism (``TPGroup.ep``): routed experts split by expert over the group. Layer
 level in one process: the ranks' partial MoE outputs sum to the whole layer's (the all-reduce
 after the mixer combines them), on the dense and the reference expert paths. Model level: two
-gloo ranks load only their experts (renumbered from 0) and match the single-process run."""
+gloo ranks (test_tensor_parallel's module-wide pair) load only their experts (renumbered from
+0) and match the single-process run."""
 from __future__ import annotations
 
-import socket
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from blockspec.configs.nemotron_h import ConfigError, NemotronHConfig
 from blockspec.layers.moe import MoE
 from blockspec.models.tp_layout import local_name, rank_config, shard_for
-from blockspec.parallel import SINGLE, TPGroup, init_tp
+from blockspec.parallel import SINGLE, TPGroup
 from blockspec.quant.quantize import quantize_checkpoint
 from blockspec.tiny_model import TINY_CONFIG, write_tiny_model
-from tests.test_tensor_parallel import greedy_run
+from tests.test_tensor_parallel import assert_equal_runs
+from tests.test_tensor_parallel import ranks as _ranks  # noqa: F401 - its two gloo ranks
 
 CFG = dict(TINY_CONFIG, n_routed_experts=8, num_experts_per_tok=3, n_groups=4)
 
@@ -109,56 +108,10 @@ def test_layout_names_and_refusals() -> None:
         rank_config(six, 4, 0, ep=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, size: int, port: int, folder: str, results) -> None:
-    tp = replace(init_tp(f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                         backend="gloo"), ep=True)
-    try:
-        logits, tokens = greedy_run(Path(folder), tp)
-        results.put((rank, [x.numpy() for x in logits], tokens))
-    except BaseException as e:
-        results.put((rank, None, repr(e)))
-        raise
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-def _ep_runs(folder: Path, size: int = 2) -> list:
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, size, port, str(folder), results))
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    out = []
-    try:
-        for _ in procs:
-            item = results.get(timeout=120)
-            assert item[1] is not None, f"rank {item[0]} failed: {item[2]}"
-            out.append(item)
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-    return sorted(out, key=lambda x: x[0])
-
-
 @pytest.mark.parametrize("algo", [None, "W4A16_NVFP4"])
-def test_ep2_matches_single_process(tmp_path: Path, algo: str | None) -> None:
+def test_ep2_matches_single_process(ranks, tmp_path: Path, algo: str | None) -> None:
     folder = write_tiny_model(tmp_path / "tiny", seed=3)
     if algo is not None:
         quantize_checkpoint(folder, tmp_path / "q", algo)
         folder = tmp_path / "q"
-    ref_logits, ref_tokens = greedy_run(folder, SINGLE)
-    for _, logits, tokens in _ep_runs(folder):
-        assert tokens == ref_tokens
-        for got, want in zip(logits, ref_logits):
-            torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-3, rtol=1e-4)
+    assert_equal_runs(ranks, folder, atol=1e-3, ep=True)

@@ -4,6 +4,7 @@ logits must equal the single-process run's (fp32) and its greedy tokens exactly.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import socket
 from pathlib import Path
 
@@ -77,9 +78,10 @@ def _rank(rank: int, size: int, port: int, jobs, results) -> None:
     folder it is sent until it gets None (spawning two ranks per case cost seconds each)."""
     tp = init_tp(f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, backend="gloo")
     try:
-        while (folder := jobs.get()) is not None:
+        while (job := jobs.get()) is not None:
+            folder, ep = job         # ep: the routed experts split by expert (TPGroup.ep)
             try:
-                logits, tokens = greedy_run(Path(folder), tp)
+                logits, tokens = greedy_run(Path(folder), replace(tp, ep=ep))
             except BaseException as e:
                 results.put((rank, None, repr(e)))
                 raise
@@ -108,11 +110,11 @@ class Ranks:
         for p in self.procs:
             p.start()
 
-    def run(self, folder: Path) -> list:
+    def run(self, folder: Path, ep: bool = False) -> list:
         if not self.procs:
             self._start()
         for q in self.jobs:
-            q.put(str(folder))
+            q.put((str(folder), ep))
         out = []
         try:
             for _ in self.procs:
@@ -150,10 +152,10 @@ def ranks():
     pool.close()
 
 
-def _assert_equal_runs(pool: Ranks, folder: Path, atol: float) -> None:
+def assert_equal_runs(pool: Ranks, folder: Path, atol: float, ep: bool = False) -> None:
     ref_logits, ref_tokens = greedy_run(folder, SINGLE)
     assert ref_logits[0].shape[-1] == TINY_CONFIG["vocab_size"]
-    ranks = pool.run(folder)
+    ranks = pool.run(folder, ep)
     assert [r for r, _, _ in ranks] == [0, 1]
     for _, logits, tokens in ranks:
         assert tokens == ref_tokens
@@ -169,7 +171,7 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def test_tp2_matches_single_process(ranks: Ranks, tiny: Path) -> None:
-    _assert_equal_runs(ranks, tiny, atol=1e-4)
+    assert_equal_runs(ranks, tiny, atol=1e-4)
 
 
 @pytest.mark.parametrize("algo", ["NVFP4", "W4A16_NVFP4", "FP8"])
@@ -179,7 +181,7 @@ def test_tp2_quantized_matches_single_process(ranks: Ranks, tiny: Path, tmp_path
     report = quantize_checkpoint(tiny, out, algo)
     # row-parallel projections split their packed input dimension and its scale groups
     assert {"backbone.layers.0.mixer.out_proj", "backbone.layers.1.mixer.o_proj"} <= set(report.formats)
-    _assert_equal_runs(ranks, out, atol=1e-3)
+    assert_equal_runs(ranks, out, atol=1e-3)
 
 
 def test_tp2_variants_match_single_process(ranks: Ranks, tmp_path: Path) -> None:
@@ -199,7 +201,7 @@ def test_tp2_variants_match_single_process(ranks: Ranks, tmp_path: Path) -> None
     folder.mkdir()
     save_file(state, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(raw))
-    _assert_equal_runs(ranks, folder, atol=1e-4)
+    assert_equal_runs(ranks, folder, atol=1e-4)
 
 
 def test_each_rank_holds_only_its_share(tiny: Path) -> None:
