@@ -16,8 +16,7 @@ from blockspec.models.tp_layout import local_name, rank_config, shard_for
 from blockspec.parallel import SINGLE, TPGroup
 from blockspec.quant.quantize import quantize_checkpoint
 from blockspec.tiny_model import TINY_CONFIG, write_tiny_model
-from tests.test_tensor_parallel import assert_equal_runs
-from tests.test_tensor_parallel import ranks as _ranks  # noqa: F401 - its two gloo ranks
+from tests.test_tensor_parallel import Ranks, assert_equal_runs
 
 CFG = dict(TINY_CONFIG, n_routed_experts=8, num_experts_per_tok=3, n_groups=4)
 
@@ -106,6 +105,13 @@ def test_layout_names_and_refusals() -> None:
     six = NemotronHConfig.from_dict(dict(CFG, n_routed_experts=6))
     with pytest.raises(ConfigError, match="n_routed_experts=6"):
         rank_config(six, 4, 0, ep=True)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    pool = Ranks()
+    yield pool
+    pool.close()
 
 
 @pytest.mark.parametrize("algo", [None, "W4A16_NVFP4"])
