@@ -14,19 +14,18 @@ PRESET_NAMES = ("lightning-mini", "nemotron-3.5-lightning", "tiny")
 RANDOM_DRAFTS = ("dflash", "dspark", "dflash-nemotron35", "dspark-nemotron35")
 
 
-class _Default(int):
-    """An int flag's default, told apart from the same value given (``given``)."""
+# --input-len / --output-len when not given (the prefix cache bench has its own)
+INPUT_LEN, OUTPUT_LEN = 128, 64
 
 
-# --input-len / --output-len when not given: the prefix cache bench picks its own defaults
-DEFAULT_INPUT_LEN = [128]
-DEFAULT_OUTPUT_LEN = _Default(64)
-
-
-def given(args: argparse.Namespace, name: str) -> bool:
-    """Whether ``--input-len`` / ``--output-len`` was on the command line (not the default)."""
-    value = getattr(args, name)
-    return value is not DEFAULT_INPUT_LEN and not isinstance(value, _Default)
+def with_lengths(args: argparse.Namespace, input_len: int = INPUT_LEN,
+                 output_len: int = OUTPUT_LEN) -> argparse.Namespace:
+    """``args`` with a bench's defaults where ``--input-len`` / ``--output-len`` were not
+    given (the parser leaves them None, so each bench can pick its own)."""
+    return argparse.Namespace(**{
+        **vars(args),
+        "input_len": [input_len] if args.input_len is None else args.input_len,
+        "output_len": output_len if args.output_len is None else args.output_len})
 
 
 def _int_list(text: str) -> list[int]:
@@ -87,11 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "vocabulary of its size; default: unconstrained")
     p.add_argument("--batch-size", type=_int_list, default=[1], metavar="N[,N...]",
                    help="sequences decoded together; a list runs each size on the same model")
-    p.add_argument("--input-len", type=_int_list, default=DEFAULT_INPUT_LEN, metavar="N[,N...]",
-                   help="prompt tokens per sequence; a list only with --prefill (one row each)")
-    p.add_argument("--output-len", type=int, default=DEFAULT_OUTPUT_LEN,
-                   help="tokens generated per sequence (with --prefix-cache: 256 for "
-                        "multi-turn, 400 for agentic)")
+    p.add_argument("--input-len", type=_int_list, metavar="N[,N...]",
+                   help=f"prompt tokens per sequence (default {INPUT_LEN}; with --prefix-cache "
+                        "the history / shared prefix: 32768 multi-turn, 65536 agentic); a list "
+                        "only with --prefill (one row each)")
+    p.add_argument("--output-len", type=int,
+                   help=f"tokens generated per sequence (default {OUTPUT_LEN}; with "
+                        "--prefix-cache: 256 multi-turn, 400 agentic)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
     p.add_argument("--disable-cuda-graph", action="store_true",

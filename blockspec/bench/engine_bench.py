@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from blockspec.bench import accept_profile, draft_presets, presets
+from blockspec.bench.bench_args import with_lengths
 from blockspec.bench.presets import preset_config
 from blockspec.bench.synthetic_tokenizer import synthetic_tokenizer
 from blockspec.checkpoint import DTYPES
@@ -277,7 +278,7 @@ def single_input_len(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    args = single_input_len(args)
+    args = single_input_len(with_lengths(args))
     if isinstance(args.chunked_prefill_size, list) and len(args.chunked_prefill_size) > 1:
         raise ValueError("--chunked-prefill-size takes one size for the decode benchmark (a "
                          "list only with --prefill)")

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from blockspec.bench.bench_args import with_lengths
 from blockspec.bench.engine_bench import _sync, build_engine
 from blockspec.bench.jsonl import append_rows
 from blockspec.bench.prefill_bench import _prompt
@@ -90,6 +91,7 @@ def summary(xs: list[float]) -> dict:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    args = with_lengths(args)
     batches = args.batch_size if isinstance(args.batch_size, list) else [args.batch_size]
     lens = args.input_len if isinstance(args.input_len, list) else [args.input_len]
     if len(batches) != 1 or len(lens) != 1:

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from blockspec.bench.bench_args import with_lengths
 from blockspec.bench.engine_bench import _sync, build_engine
 from blockspec.bench.flops import prefill_flops
 from blockspec.bench.jsonl import append_rows
@@ -89,6 +90,7 @@ def input_lengths(args: argparse.Namespace) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    args = with_lengths(args)
     lens = input_lengths(args)
     if args.random_draft or args.speculative_algorithm:
         raise ValueError("--prefill measures the target's prefill; drop --random-draft / "

@@ -37,10 +37,12 @@ import queue
 import statistics
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from blockspec.bench.bench_args import given
+from blockspec.bench.bench_args import with_lengths
 from blockspec.bench.engine_bench import _sync, build_engine
 from blockspec.bench.jsonl import append_rows
 from blockspec.bench.prefill_bench import _prompt
@@ -179,12 +181,10 @@ def agentic(engine, prompts: list[list[int]], concurrency: int, output_len: int,
 def _lengths(args: argparse.Namespace) -> tuple[int, int]:
     """--input-len (one) and --output-len, with this bench's defaults when not given."""
     multi = args.workload == "multi-turn"
-    lens = args.input_len if isinstance(args.input_len, list) else [args.input_len]
-    if len(lens) != 1:
+    args = with_lengths(args, 32768 if multi else 65536, 256 if multi else 400)
+    if len(args.input_len) != 1:
         raise ValueError("--prefix-cache takes one --input-len")
-    input_len = lens[0] if given(args, "input_len") else (32768 if multi else 65536)
-    output_len = int(args.output_len) if given(args, "output_len") else (256 if multi else 400)
-    return input_len, output_len
+    return args.input_len[0], int(args.output_len)
 
 
 def _cache_kw(args: argparse.Namespace, on: bool) -> dict:
@@ -232,40 +232,59 @@ def _emit(rows: list[dict], row: dict) -> None:
     rows.append(row)
 
 
+def _cache_on_off(args: argparse.Namespace, ns: argparse.Namespace, levels: list[int],
+                  warm_up: Callable[[Any], None],
+                  one: Callable[[Any, int, int, Any], tuple[dict, Any]]) -> tuple[list, dict]:
+    """The engine with the cache on, then (freed) with it off, each warmed up and run at every
+    level: ``one(engine, k, level, got)`` -> (row figures, what the run generated), ``got``
+    being the cache-on run's at that level in the cache-off run (None before). Returns the
+    rows in order and them by (level, on); cache-off rows carry ``outputs_match``."""
+    rows: list[dict] = []
+    got_on: dict[int, Any] = {}
+    by_key: dict[tuple[int, bool], dict] = {}
+    for on in (True, False):
+        engine, label = build_engine(ns, max(levels), **_cache_kw(args, on))
+        try:
+            warm_up(engine)
+            for k, level in enumerate(levels):
+                fig, got = one(engine, k, level, None if on else got_on[level])
+                row = {**_base(engine, label, args, on), **fig}
+                if on:
+                    got_on[level] = got
+                else:
+                    row["outputs_match"] = got == got_on[level]
+                by_key[(level, on)] = row
+                _emit(rows, row)
+        finally:
+            _free(engine)
+    return rows, by_key
+
+
+def _ratio(workload: str, on: dict, off: dict, **fields: Any) -> dict:
+    return {"bench": "prefix_cache", "workload": workload, "ratio": "cache_on/off", **fields,
+            "wall_ratio": on["wall_s"] / off["wall_s"], "outputs_match": off["outputs_match"]}
+
+
 def _run_multi_turn(args: argparse.Namespace, input_len: int, output_len: int) -> list[dict]:
     batches = args.batch_size if isinstance(args.batch_size, list) else [args.batch_size]
     turns = args.turns
     ulen = user_len(input_len, turns, output_len)
     ns = argparse.Namespace(**{**vars(args), "input_len": input_len, "output_len": output_len})
-    rows: list[dict] = []
-    answers: dict[int, list[list[list[int]]]] = {}
-    by_key: dict[tuple[int, bool], dict] = {}
-    for on in (True, False):
-        engine, label = build_engine(ns, max(batches), **_cache_kw(args, on))
-        try:
-            _warm_up(engine, ulen, ulen, output_len, follow=True)
-            for b in batches:
-                fig, got = multi_turn(engine, b, turns, ulen, output_len,
-                                      None if on else answers[b])
-                row = {**_base(engine, label, args, on), "batch_size": b, "turns": turns,
-                       "input_len": input_len, "user_len": ulen, "output_len": output_len, **fig}
-                if on:
-                    answers[b] = got
-                else:
-                    row["outputs_match"] = got == answers[b]
-                by_key[(b, on)] = row
-                _emit(rows, row)
-        finally:
-            _free(engine)
+
+    def one(engine, _k: int, b: int, answers) -> tuple[dict, Any]:
+        # the cache-off run replays the cache-on run's answers as history
+        fig, got = multi_turn(engine, b, turns, ulen, output_len, answers)
+        return {"batch_size": b, "turns": turns, "input_len": input_len, "user_len": ulen,
+                "output_len": output_len, **fig}, got
+
+    rows, by_key = _cache_on_off(
+        args, ns, batches, lambda e: _warm_up(e, ulen, ulen, output_len, follow=True), one)
     for b in batches:
         w, wo = by_key[(b, True)], by_key[(b, False)]
-        _emit(rows, {"bench": "prefix_cache", "workload": "multi-turn", "ratio": "cache_on/off",
-                     "batch_size": b, "turns": turns, "input_len": input_len,
-                     "last_turn_ttft_ratio": w["last_turn_ttft_s"] / wo["last_turn_ttft_s"],
-                     "ttft_ratio_per_turn": [a / c for a, c in zip(w["ttft_s_per_turn"],
-                                                                   wo["ttft_s_per_turn"])],
-                     "wall_ratio": w["wall_s"] / wo["wall_s"],
-                     "outputs_match": wo["outputs_match"]})
+        _emit(rows, _ratio("multi-turn", w, wo, batch_size=b, turns=turns, input_len=input_len,
+                           last_turn_ttft_ratio=w["last_turn_ttft_s"] / wo["last_turn_ttft_s"],
+                           ttft_ratio_per_turn=[a / c for a, c in zip(w["ttft_s_per_turn"],
+                                                                      wo["ttft_s_per_turn"])]))
     return rows
 
 
@@ -276,40 +295,25 @@ def _run_agentic(args: argparse.Namespace, input_len: int, output_len: int) -> l
         raise ValueError("--num-requests and --suffix-len must be >= 1")
     ns = argparse.Namespace(**{**vars(args), "input_len": input_len + slen,
                                "output_len": output_len})
-    rows: list[dict] = []
-    outs: dict[int, list[list[int]]] = {}
-    by_key: dict[tuple[int, bool], dict] = {}
-    for on in (True, False):
-        engine, label = build_engine(ns, max(levels), **_cache_kw(args, on))
+
+    def one(engine, k: int, c: int, cached_run) -> tuple[dict, Any]:
         vocab = engine.config.vocab_size
-        try:
-            _warm_up(engine, min(input_len, WARMUP_PREFIX), slen, output_len, follow=False)
-            for k, c in enumerate(levels):
-                # a prefix per level: a later level must not hit an earlier level's prefix
-                prefix = _prompt(vocab, input_len, seed=50_000 + k)
-                prompts = [prefix + _prompt(vocab, slen, seed=60_000 + 1000 * k + i)
-                           for i in range(n)]
-                fig, got = agentic(engine, prompts, c, output_len, tag=f"{k}-{int(on)}")
-                row = {**_base(engine, label, args, on), "concurrency": c, "num_requests": n,
-                       "input_len": input_len, "suffix_len": slen, "output_len": output_len,
-                       **fig}
-                if on:
-                    outs[c] = got
-                else:
-                    row["outputs_match"] = got == outs[c]
-                by_key[(c, on)] = row
-                _emit(rows, row)
-        finally:
-            _free(engine)
+        # a prefix per level: a later level must not hit an earlier level's prefix
+        prefix = _prompt(vocab, input_len, seed=50_000 + k)
+        prompts = [prefix + _prompt(vocab, slen, seed=60_000 + 1000 * k + i) for i in range(n)]
+        fig, got = agentic(engine, prompts, c, output_len, tag=f"{k}-{int(cached_run is None)}")
+        return {"concurrency": c, "num_requests": n, "input_len": input_len, "suffix_len": slen,
+                "output_len": output_len, **fig}, got
+
+    rows, by_key = _cache_on_off(
+        args, ns, levels,
+        lambda e: _warm_up(e, min(input_len, WARMUP_PREFIX), slen, output_len, follow=False), one)
     for c in levels:
         w, wo = by_key[(c, True)], by_key[(c, False)]
-        _emit(rows, {"bench": "prefix_cache", "workload": "agentic", "ratio": "cache_on/off",
-                     "concurrency": c, "num_requests": n, "input_len": input_len,
-                     "mean_request_time_ratio":
-                         w["request_time_s"]["mean"] / wo["request_time_s"]["mean"],
-                     "mean_ttft_ratio": w["mean_ttft_s"] / wo["mean_ttft_s"],
-                     "wall_ratio": w["wall_s"] / wo["wall_s"],
-                     "outputs_match": wo["outputs_match"]})
+        _emit(rows, _ratio("agentic", w, wo, concurrency=c, num_requests=n, input_len=input_len,
+                           mean_request_time_ratio=w["request_time_s"]["mean"]
+                           / wo["request_time_s"]["mean"],
+                           mean_ttft_ratio=w["mean_ttft_s"] / wo["mean_ttft_s"]))
     return rows
 
 
