@@ -113,6 +113,9 @@ def test_bench_writes_nothing(tmp_path, monkeypatch):
     """Presets are built in memory: no temporary model folder, nothing in the working folder."""
     import tempfile
 
+    import torch._dynamo  # noqa: F401 - torch makes its own cache folder under TMPDIR the first
+    # time a module constructor imports this; that is torch's, not the bench's
+
     work, tmp = tmp_path / "cwd", tmp_path / "tmp"
     work.mkdir()
     tmp.mkdir()
