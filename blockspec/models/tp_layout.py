@@ -67,9 +67,15 @@ def rank_config(cfg: NemotronHConfig, size: int, rank: int = 0,
     if "attention" in kinds:
         out["num_key_value_heads"] = max(1, cfg.num_key_value_heads // size)
     if "moe" in kinds and ep:
-        n = cfg.n_routed_experts // size
-        out["local_experts"] = (rank * n, (rank + 1) * n)
+        out["local_experts"] = expert_range(cfg, size, rank)
     return replace(cfg, **out)
+
+
+def expert_range(cfg: NemotronHConfig, size: int, rank: int) -> tuple[int, int]:
+    """[first, end) of the routed experts rank ``rank`` of ``size`` holds under expert
+    parallelism (``rank_config`` refuses a size that does not divide them)."""
+    n = cfg.n_routed_experts // size
+    return rank * n, (rank + 1) * n
 
 
 def local_name(name: str, cfg: NemotronHConfig, tp: TPGroup) -> str | None:
@@ -81,7 +87,7 @@ def local_name(name: str, cfg: NemotronHConfig, tp: TPGroup) -> str | None:
     m = _EXPERT.fullmatch(name)
     if m is None:
         return name
-    lo, hi = rank_config(cfg, tp.size, tp.rank, ep=True).local_experts
+    lo, hi = expert_range(cfg, tp.size, tp.rank)
     e = int(m.group(1))
     return name[:m.start(1)] + str(e - lo) + name[m.end(1):] if lo <= e < hi else None
 

@@ -127,6 +127,12 @@ class PlanChannel:
         raise TPError(self.broken)
 
 
+def step_of(runner: ModelRunner, drafter: Drafter | None, kind: str) -> tuple:
+    """(step function, phased plan) a step of ``kind`` runs: the runner's "decode", the
+    drafter's "spec<w>"."""
+    return runner.by_kind(kind) if kind == "decode" else drafter.by_kind(kind)
+
+
 def _plain(batch: StepBatch | None) -> tuple[StepBatch | None, list[bool] | None]:
     """A batch as plain data: without its matchers, and which rows had one."""
     if batch is None or batch.grammars is None:
@@ -186,13 +192,9 @@ class MirroredRunner(ModelRunner):
         finally:
             self._depth -= 1
 
-    def step_of(self, kind: str) -> tuple:
-        """(step function, phased plan) of ``kind``, as a worker resolves it."""
-        return self.by_kind(kind) if kind == "decode" else self.drafter.by_kind(kind)
-
     def _check_kind(self, kind: str, obj: object, which: int) -> None:
         """The worker names the step by its kind alone: it must be the one rank 0 runs."""
-        if self.step_of(kind)[which] != obj:
+        if step_of(self, self.drafter, kind)[which] != obj:
             raise ValueError(f"under tensor parallelism a {kind!r} step must run the "
                              "runner's or drafter's own step for that kind")
 
@@ -303,9 +305,6 @@ def serve(channel: PlanChannel, runner: ModelRunner, drafter: Drafter | None = N
     last: tuple | None = None           # this rank's last extend (output, rows)
     cuda = runner.device.type == "cuda"
 
-    def step_of(kind: str) -> tuple:
-        return runner.by_kind(kind) if kind == "decode" else drafter.by_kind(kind)
-
     def prev_of(i: int) -> Any:
         if i and i not in steps:
             raise TPError(f"plan continues step {i}, which this rank does not have")
@@ -336,16 +335,18 @@ def serve(channel: PlanChannel, runner: ModelRunner, drafter: Drafter | None = N
             runner.fill_penalties(*a)
         elif name == "ensure_graph":
             kind, key, padded = a
-            runner.ensure_graph(kind, key, padded, step_of(kind)[0])
+            runner.ensure_graph(kind, key, padded, step_of(runner, drafter, kind)[0])
         elif name == "launch_step":
             batch, _, kind, width, prev, sid = a
             settle(batch)
-            steps[sid] = runner.launch_step(batch, step_of(kind)[0], kind, width, prev_of(prev))
+            steps[sid] = runner.launch_step(batch, step_of(runner, drafter, kind)[0], kind, width,
+                                            prev_of(prev))
         elif name == "begin":
             batch, flags, kind, width, prev, pid = a
             settle(batch)
-            steps[pid] = runner.phased.begin(_restore(batch, flags, None), step_of(kind)[1],
-                                             kind, width, prev_of(prev))
+            steps[pid] = runner.phased.begin(_restore(batch, flags, None),
+                                             step_of(runner, drafter, kind)[1], kind, width,
+                                             prev_of(prev))
         elif name == "complete":
             pid, masks, sid = a
             pending = prev_of(pid)
