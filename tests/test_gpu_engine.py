@@ -30,13 +30,14 @@ def test_cuda_fp32_matches_cpu(demo):
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_cuda_speculative_equals_target_only(demo, kind):
-    from blockspec.bench.presets import build_draft, preset_config
+    from blockspec.bench.draft_presets import build_random_draft
+    from blockspec.bench.presets import preset_config
 
     # fp32: verify (T rows) and decode (1 row) GEMMs round alike enough for exact greedy; in
     # bf16 different GEMM shapes may legitimately flip near-tied argmaxes (as in every engine)
     target = Engine(model_path=str(demo), device="cuda", dtype="float32")
     ref = target.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-    draft = build_draft(kind, preset_config("tiny"), 4 if kind == "dflash" else 3,
+    draft = build_random_draft(kind, preset_config("tiny"), 4 if kind == "dflash" else 3,
                         torch.device("cuda"), torch.float32)
     spec = Engine.from_model(target.model, draft=draft).generate(input_ids=PROMPTS, sampling_params=GREEDY)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in ref]

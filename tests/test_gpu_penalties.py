@@ -43,11 +43,12 @@ def test_graphs_match_eager_with_penalties_and_top_logprobs(demo):
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_cuda_speculative_with_penalties_equals_target_only(demo, kind):
-    from blockspec.bench.presets import build_draft, preset_config
+    from blockspec.bench.draft_presets import build_random_draft
+    from blockspec.bench.presets import preset_config
 
     target = Engine(model_path=str(demo), device="cuda", dtype="float32")
     ref = _run(target)
-    draft = build_draft(kind, preset_config("tiny"), 4 if kind == "dflash" else 3,
+    draft = build_random_draft(kind, preset_config("tiny"), 4 if kind == "dflash" else 3,
                         torch.device("cuda"), torch.float32)
     spec = _run(Engine.from_model(target.model, draft=draft))
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in ref]

@@ -17,7 +17,8 @@ import torch
 pytest.importorskip("xgrammar")
 
 from blockspec import Engine  # noqa: E402
-from blockspec.bench.presets import build_draft, build_target, preset_config  # noqa: E402
+from blockspec.bench.draft_presets import build_random_draft  # noqa: E402
+from blockspec.bench.presets import build_target, preset_config  # noqa: E402
 from blockspec.bench.synthetic_tokenizer import synthetic_tokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
@@ -56,7 +57,7 @@ def engines(tmp_path_factory):
     for name, kind, eager in (("none", None, False), ("dflash", "dflash", False),
                               ("dflash_eager", "dflash", True),
                               ("dspark", "dspark", False)):
-        draft = (build_draft(kind, cfg, 4 if kind == "dflash" else 3, dev, dtype)
+        draft = (build_random_draft(kind, cfg, 4 if kind == "dflash" else 3, dev, dtype)
                  if kind else None)
         out[name] = Engine.from_model(build_target("lightning-mini", dev, dtype), draft=draft,
                                       disable_cuda_graph=eager, **kw)

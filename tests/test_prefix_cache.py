@@ -342,11 +342,12 @@ def test_gpu_cached_answers_are_the_uncached_ones(tiny_folder, kind):
     an eviction."""
     import torch  # lazy: only the GPU test needs it here
 
-    from blockspec.bench.presets import build_draft, preset_config  # lazy: GPU test only
+    from blockspec.bench.draft_presets import build_random_draft  # lazy: GPU test only
+    from blockspec.bench.presets import preset_config  # lazy: GPU test only
 
     target = Engine(model_path=str(tiny_folder), device="cuda", dtype="float32",
                     disable_radix_cache=True)
-    draft = (build_draft(kind, preset_config("tiny"), 4, torch.device("cuda"), torch.float32)
+    draft = (build_random_draft(kind, preset_config("tiny"), 4, torch.device("cuda"), torch.float32)
              if kind else None)
     kw = {k: v for k, v in KW.items() if k != "device"}
     with target:

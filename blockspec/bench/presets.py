@@ -13,9 +13,7 @@ import math
 
 import torch
 
-from blockspec.configs.draft import parse_draft_config
 from blockspec.configs.nemotron_h import NemotronHConfig
-from blockspec.models.draft import build_draft_model
 from blockspec.models.loader import prepare_quantized
 from blockspec.models.nemotron_h import NemotronHForCausalLM
 from blockspec.quant.recipes import lightning_format
@@ -125,14 +123,3 @@ def draft_config(kind: str, target_cfg: dict, block_size: int) -> dict:
     return cfg
 
 
-def build_draft(kind: str, target_cfg: dict, block_size: int, device: torch.device,
-                dtype: torch.dtype):
-    """A random draft on ``device`` for a target config (acceptance will be near 1: use
-    ``--simulate-accept-length`` to time steps as if a trained draft were attached)."""
-    cfg = parse_draft_config(draft_config(kind, target_cfg, block_size),
-                             target_num_layers=len(target_cfg.get("hybrid_override_pattern")
-                                                   or target_cfg.get("layers_block_type")))
-    with torch.device(device):
-        model = build_draft_model(cfg, None, dtype)
-    randomize_(model, seed=1)
-    return model.eval()
