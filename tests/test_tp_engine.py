@@ -17,12 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from blockspec.args import ArgsError, EngineArgs
 from blockspec.cache import CacheLayout, MemoryManager
 from blockspec.cli import build_parser
 from blockspec.engine import tp_launch
 from blockspec.engine.engine import Engine, GenerateError
+from blockspec.engine.worker_node import run_worker_node
 from blockspec.tiny_model import write_tiny_model
 from tests.spec_fixtures import draft_config, make_spec_target, write_char_tokenizer, write_draft
 from tests.test_dflash import HIDDEN, LAYERS, VOCAB
@@ -303,8 +305,6 @@ def test_expert_parallel_flags() -> None:
 
 
 def _node(folder: str, addr: str) -> None:
-    from blockspec.engine.worker_node import run_worker_node  # lazy: runs in the spawned node
-
     run_worker_node(model_path=folder, device="cpu", tp_size=2, nnodes=2, node_rank=1,
                     dist_init_addr=addr, **{k: v for k, v in ENGINE.items() if k != "device"})
 
@@ -313,10 +313,8 @@ def test_two_nodes_on_loopback_equal_single_process(tiny: Path) -> None:
     """--nnodes 2: node 1 (another process, as another machine would be) runs rank 1 only and
     joins node 0's rendezvous at --dist-init-addr; node 0's engine answers as one process
     does, and its shutdown ends node 1."""
-    import multiprocessing
-
     addr = f"127.0.0.1:{tp_launch._free_port()}"
-    node = multiprocessing.get_context("spawn").Process(target=_node, args=(str(tiny), addr))
+    node = mp.get_context("spawn").Process(target=_node, args=(str(tiny), addr))
     node.start()
     one = Engine(model_path=str(tiny), **ENGINE)
     try:
