@@ -200,6 +200,10 @@ class EngineArgs:
     cuda_graph_max_bs: int = arg(32, "largest batch replayed from a CUDA graph (graphs are "
                                      "captured at 1, 2, 4, 8, 16, 24, 32, ... up to it); "
                                      "larger batches run eagerly")
+    cuda_graph_max_prefill_tokens: int = arg(
+        2048, "longest prefill chunk of one request replayed from a CUDA graph (captured at "
+              "16, 32, ... up to it, padded to the next; cheap small chunks for prefix-cache "
+              "hits and chunks between decode steps); 0: every prefill forward runs eagerly")
     disable_cuda_graph: bool = arg(False, "run every step eagerly (no CUDA graphs)")
     log_level: str = arg("warning", "logging level", choices=LOG_LEVELS)
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -242,6 +246,9 @@ class EngineArgs:
                      "page_size", "cuda_graph_max_bs", "tp_size"):
             if getattr(self, name) < 1:
                 raise ArgsError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cuda_graph_max_prefill_tokens < 0:
+            raise ArgsError("cuda_graph_max_prefill_tokens must be >= 0 (0: eager prefill), "
+                            f"got {self.cuda_graph_max_prefill_tokens}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ArgsError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1:

@@ -61,6 +61,7 @@ class ForwardMetadata:
     q_lens_host: list[int] | None = None   # extend: rows per request (Mamba groups equal lengths)
     logits_rows: torch.Tensor | None = None   # rows whose logits are wanted (None = all)
     capture_layers: tuple[int, ...] = ()      # residual-stream taps (layer index to tap before)
+    real_rows: torch.Tensor | None = None     # [N] bool: a padded chunk's real rows (None: all)
     attn_state: dict[str, Any] = field(default_factory=dict)   # per-forward backend data
     _extend_groups: list[ExtendGroup] | None = field(default=None, repr=False)
 

@@ -40,8 +40,11 @@ class AttentionBackend(ABC):
         """q [N, Hq, D], new k/v [N, Hkv, D]; caches [slots, Hkv, D]. Returns [N, Hq, D]."""
         k_cache[meta.out_slots] = k.to(k_cache.dtype)
         v_cache[meta.out_slots] = v.to(v_cache.dtype)
-        return self.attend(q, k_cache, v_cache, meta, scale=scale, causal=causal,
-                           window=window, sink=sink)
+        out = self.attend(q, k_cache, v_cache, meta, scale=scale, causal=causal,
+                          window=window, sink=sink)
+        if meta.real_rows is not None:    # a padded chunk: its padded rows were never written
+            out = torch.where(meta.real_rows[:, None, None], out, 0.0)
+        return out
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -217,7 +217,8 @@ class Engine:
                  "mamba_cache_slots": args.mamba_cache_slots}
         options = RunnerOptions(max_batch_size=args.max_running_requests,
                                 use_cuda_graph=not args.disable_cuda_graph,
-                                cuda_graph_max_bs=args.cuda_graph_max_bs)
+                                cuda_graph_max_bs=args.cuda_graph_max_bs,
+                                prefill_graph_max_tokens=args.cuda_graph_max_prefill_tokens)
         if self._tp is not None:     # every rank sizes its caches (its heads) as rank 0 does
             self._tp.build(sizes, options)
         self.memory = MemoryManager(CacheLayout.for_model(model.rank_cfg), dtype=self.dtype,

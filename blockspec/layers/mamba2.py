@@ -174,13 +174,16 @@ class Mamba2Mixer(nn.Module):
         return self._norm_out(y, z)
 
     # ---- modes ---------------------------------------------------------------------------
-    def extend(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def extend(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+               real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Prefill chunks of equal length u [Bt,T,d] from the committed states
         (conv [Bt,C,K-1], ssm [Bt,H,P,N]). Returns (out, new conv window, new ssm state).
         On CUDA the conv and the chunked scan are Triton kernels (``kernels/causal_conv.py``,
         ``kernels/ssd_scan.py``) reading the conv output in its own dtype; elsewhere
-        ``_conv`` and ``ssd_chunked_scan``, their references."""
+        ``_conv`` and ``ssd_chunked_scan``, their references. ``real`` [Bt,T] bool (a padded
+        chunk: real rows first): padded rows get zero input and dt = 0, so the scan carries
+        the state over them unchanged (decay exp(0) = 1, contribution 0), and the window is
+        the last K - 1 real inputs."""
         z, xbc, dt_raw = self._split(u)
         fast = use_triton(u)
         if fast:
@@ -189,11 +192,27 @@ class Mamba2Mixer(nn.Module):
             conv_out = self._conv(xbc, conv_state)
             window = torch.cat([conv_state, xbc.transpose(1, 2).to(conv_state.dtype)],
                                dim=2)[..., -(self.K - 1):]
+        if real is not None:
+            window = self._real_window(xbc, conv_state, real)
+            conv_out = torch.where(real[..., None], conv_out, 0)
         x, Bm, Cm, dt = self._ssm_inputs(conv_out, dt_raw, upcast=not fast)
+        if real is not None:
+            dt = torch.where(real[..., None], dt, 0.0)
         scan = ssd_scan if fast else ssd_chunked_scan
         y, final = scan(x, dt, -torch.exp(self.A_log.float()), Bm, Cm,
                         ssm_state if fast else ssm_state.float(), self.chunk)
         return self._out(y, x, z), window, final
+
+    def _real_window(self, xbc: torch.Tensor, conv_state: torch.Tensor,
+                     real: torch.Tensor) -> torch.Tensor:
+        """The conv window after a padded chunk's real rows: inputs n-K+1 .. n-1 (n real rows
+        per sequence), from the committed window where they reach before the chunk."""
+        k1 = self.K - 1
+        idx = real.sum(1, keepdim=True) - k1 + torch.arange(k1, device=xbc.device)   # [Bt,K-1]
+        rows = xbc.gather(1, idx.clamp(min=0)[..., None].expand(-1, -1, xbc.shape[-1]))
+        before = conv_state.gather(2, (idx + k1).clamp(max=k1 - 1)[:, None].expand(
+            -1, conv_state.shape[1], -1))
+        return torch.where((idx < 0)[:, None], before, rows.transpose(1, 2).to(conv_state.dtype))
 
     def forward_steps(self, u: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                       slots: torch.Tensor, steps: int, commit: bool,

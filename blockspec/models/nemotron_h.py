@@ -140,7 +140,11 @@ class NemotronHForCausalLM(nn.Module):
                     xs = x[g.start:g.start + g.n * g.q].view(g.n, g.q, -1)
                 else:
                     xs = x[g.rows]
-                y, window, state = mixer.extend(xs, conv[g.slots], ssm[g.slots])
+                real = None
+                if meta.real_rows is not None:
+                    real = (meta.real_rows[g.start:g.start + g.n * g.q].view(g.n, g.q)
+                            if g.rows is None else meta.real_rows[g.rows])
+                y, window, state = mixer.extend(xs, conv[g.slots], ssm[g.slots], real)
                 conv[g.slots] = window
                 ssm[g.slots] = state
                 y = y.reshape(-1, y.shape[-1])

@@ -7,8 +7,11 @@ Two ways in:
   buffer with one non-blocking copy per step. Decode, draft and verify forwards derive
   everything else on the device (``uniform_metadata``), so a step is a pure function of these
   buffers and the caches: it can be captured once and replayed as a CUDA graph.
-* ``extend_metadata``: prefill chunks of any lengths, built from host lists (prefill runs
-  eagerly; its shapes change every call).
+* ``extend_metadata``: prefill chunks of any lengths, built from host lists (an eager
+  prefill forward; its shapes change every call).
+* ``chunk_metadata``: one request's prefill chunk padded to a fixed length, derived on the
+  device from a few static values, so the forward can be captured once per length and
+  replayed (``runtime/prefill_graphs.py``).
 
 No Python list and no request object reaches a model: the model reads ``ForwardMetadata``
 (``blockspec/forward_metadata.py``).
@@ -24,7 +27,6 @@ from blockspec.cache import KVPool, MambaStatePool
 from blockspec.forward_metadata import ForwardMetadata, Mode, flat_slots
 from blockspec.grammar import Matcher
 from blockspec.penalties import PenaltyState
-
 
 # (buffer field, StepBatch attribute); the order is the buffer's row order
 _INT_FIELDS = (("slot", "slots"), ("prefix", "prefix_lens"), ("token", "tokens"), ("top_k", "top_k"),
@@ -265,3 +267,32 @@ def extend_metadata(slots: list[int], starts: list[int], ids: list[list[int]], *
         block_table=block_table, page_size=page_size, attn=attn, kv=kv, mamba=mamba,
         max_q_len=max(q_lens), max_seq_len=max(s + q for s, q in zip(starts, q_lens)),
         q_lens_host=q_lens, logits_rows=rows, capture_layers=capture_layers)
+
+
+def chunk_metadata(ids: torch.Tensor, slot: torch.Tensor, start: torch.Tensor, real: torch.Tensor,
+                   dummy_slot: int, block_table: torch.Tensor, page_size: int,
+                   attn: AttentionBackend, kv: KVPool | None, mamba: MambaStatePool | None,
+                   capture_layers: tuple[int, ...] = (), max_seq_len: int = 0,
+                   ) -> ForwardMetadata:
+    """One request's prefill chunk padded to ``C = len(ids)`` rows: its ``real`` first rows
+    are the tokens at positions ``start ..`` of request ``slot`` (device scalars, [1] each).
+    Graph-safe: fixed shapes, no host reads. The attention sees ``real`` queries (so padded
+    rows attend to nothing and output nothing); padded rows sit at the last real position
+    (every table lookup stays in range) and write their K/V into the dummy slot; the Mamba
+    mixers leave the state untouched over them (``real_rows``); the logits are the last
+    real row's. ``max_seq_len``: a host bound for backends that need one (not in graphs)."""
+    c = ids.shape[0]
+    dev = ids.device
+    t = torch.arange(c, device=dev)
+    real_rows = t < real
+    positions = start + torch.minimum(t, real - 1)
+    zeros = torch.zeros(c, dtype=torch.long, device=dev)
+    own = flat_slots(block_table, slot.expand(c), positions, page_size)
+    dummy = flat_slots(block_table, torch.full_like(zeros, dummy_slot), zeros, page_size)
+    return ForwardMetadata(
+        mode=Mode.EXTEND, batch_size=1, input_ids=ids, positions=positions, row_req=zeros,
+        req_slots=slot, seq_lens=start + real, q_start=torch.cat([real * 0, real]),
+        out_slots=torch.where(real_rows, own, dummy), block_table=block_table,
+        page_size=page_size, attn=attn, kv=kv, mamba=mamba, q_len=c, max_q_len=c,
+        max_seq_len=max_seq_len, q_lens_host=[c], logits_rows=real - 1,
+        capture_layers=capture_layers, real_rows=real_rows)

@@ -1,6 +1,8 @@
 """ModelRunner: executes forwards for the scheduler and never decides what runs.
 
-* ``extend``: prefill chunks (eager; shapes change every call).
+* ``extend``: prefill chunks: one request's chunk up to ``prefill_graph_max_tokens`` replays
+  a captured forward of its padded length (``runtime/prefill_graphs.py``); other chunks
+  (several requests, every row's logits) run eagerly.
 * ``launch_step`` / ``collect``: a decode or speculative step described by a ``StepBatch``,
   launched without waiting for it, and its outputs read back (one copy per step, into a pinned
   buffer). The step itself is a pure function of the static step inputs and the caches
@@ -32,6 +34,7 @@ from blockspec.runtime.launched import Launched, Plan, StepFn
 from blockspec.runtime.logprobs import chosen_and_top, pack_top, top_width, unpack_top
 from blockspec.runtime.metadata import StepBatch, StepInputs, extend_metadata, uniform_metadata
 from blockspec.runtime.phases import Pending, PhasedSteps
+from blockspec.runtime.prefill_graphs import PrefillGraphs
 from blockspec.sampling import Stream, logprobs_of, sample, uniforms
 
 __all__ = ["Launched", "ModelRunner", "Pending", "RunnerOptions", "StepFn"]
@@ -43,6 +46,7 @@ class RunnerOptions:
     max_batch_size: int
     use_cuda_graph: bool = True
     cuda_graph_max_bs: int = 32
+    prefill_graph_max_tokens: int = 2048
 
 
 class ModelRunner:
@@ -57,6 +61,11 @@ class ModelRunner:
                      and self.decode_attn.supports_cuda_graph)
         self.graphs = (GraphRunner(self.device, min(options.cuda_graph_max_bs, options.max_batch_size))
                        if graphs_ok else None)
+        self.prefill_graphs = (
+            PrefillGraphs(model, memory, self.prefill_attn, options.prefill_graph_max_tokens,
+                          capture=True)
+            if graphs_ok and options.prefill_graph_max_tokens > 0
+            and self.prefill_attn.supports_cuda_graph else None)
         for m in model.modules():
             if isinstance(m, MoE) and not m.graph_safe(model.backbone.norm_f.weight.dtype, self.device):
                 self.disable_graphs("an MoE layer's experts have no sync-free path for this "
@@ -79,11 +88,15 @@ class ModelRunner:
         Returns the output (logits of each chunk's last row, of every row, or of the flat
         ``rows`` given) and the metadata's positions and cache slots of the rows (for a
         drafter's context)."""
+        taps = self.capture_layers if capture_layers is None else tuple(capture_layers)
+        pg = self.prefill_graphs
+        if (pg is not None and len(ids) == 1 and pg.fits(len(ids[0])) and not logits_all
+                and (rows is None or list(rows) == [len(ids[0]) - 1])):
+            return pg.extend(slots[0], starts[0], ids[0], taps)
         m = self.memory
         meta = extend_metadata(slots, starts, ids, device=self.device, block_table=m.block_table,
                                page_size=m.page_size, attn=self.prefill_attn, kv=m.kv, mamba=m.mamba,
-                               logits_all=logits_all, rows=rows,
-                               capture_layers=self.capture_layers if capture_layers is None else capture_layers)
+                               logits_all=logits_all, rows=rows, capture_layers=taps)
         return self.model(meta), torch.stack([meta.positions, meta.out_slots])
 
     @torch.inference_mode()
@@ -200,7 +213,7 @@ class ModelRunner:
         """Run every step eagerly: something a step runs cannot be captured (logged once)."""
         if self.graphs is not None:
             log.info("CUDA graphs off: %s", why)
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
 
     @torch.inference_mode()
     def ensure_graph(self, kind: str, key: tuple, padded: int, fn: StepFn) -> tuple:
