@@ -171,7 +171,8 @@ class EngineArgs:
     mamba_track_interval: int = arg(256, "prefix cache: tokens between Mamba state checkpoints "
                                          "in a prefill (a multiple of --page-size)")
     mamba_cache_slots: int = arg(0, "prefix cache: Mamba state snapshots kept (each the size of "
-                                    "one request's Mamba state); 0: twice --max-running-requests")
+                                    "one request's Mamba state); 0: twice --max-running-requests, at "
+                                    "least 32")
     attention_backend: str | None = arg(None, "attention kernels for every phase; default: auto "
                                               "(the best usable on the device)",
                                         choices=attention_backend_choices)

@@ -83,8 +83,13 @@ def test_gpu_expert_shards_sum_to_the_layer(tokens: int) -> None:
         for m in mods:
             assert m.prepare_grouped()
         xg = x.to("cuda", torch.bfloat16)
-        got = sum(p(xg).float() for p in mods[1:])     # the same routing as the whole layer
-        torch.testing.assert_close(got, mods[0](xg).float(), atol=3e-2, rtol=3e-2)
+        shards = [p(xg).float() for p in mods[1:]]     # the same routing as the whole layer
+        whole = mods[0](xg).float()
+    # each output is rounded to bf16 once (8 significant bits): the sum of the shards and the
+    # whole layer may differ by those roundings, never by an expert's contribution
+    bound = (sum(s.abs() for s in shards) + whole.abs()) * 2.0 ** -7 + 1e-3
+    err = (sum(shards) - whole).abs()
+    assert bool((err <= bound).all()), f"worst excess {float((err - bound).max()):.4f}"
 
 
 def test_layout_names_and_refusals() -> None:

@@ -121,6 +121,20 @@ def test_evicted_prefix_is_computed_again_and_cached_again(tiny_folder):
         _evicted(off, on)
 
 
+def test_shared_prefix_checkpoint_outlives_its_first_requests_later_ones(tiny_folder):
+    """One request at a time with the default snapshot slots: the first request saves the
+    shared prefix's checkpoints, then its suffix's, its prompt end's and its answer's; the
+    prefix's must survive them, so every later request with another suffix resumes there."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 259) for _ in range(64)]
+    with Engine(model_path=str(tiny_folder), enable_radix_cache=True, max_running_requests=1,
+                **KW) as engine:
+        got = [engine.generate(input_ids=prefix + [rng.randrange(3, 259) for _ in range(22)],
+                               sampling_params=GREEDY)["meta_info"]["cached_tokens"]
+               for _ in range(3)]
+    assert got == [0, 64, 64]
+
+
 def test_prompt_logprobs_bypass_the_lookup(tiny_folder):
     off, on = _pair(tiny_folder)
     prompt = list(range(3, 40))

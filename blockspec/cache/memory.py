@@ -71,6 +71,9 @@ class Reservation:
     cached: int = 0                                     # tokens resumed from the prefix cache
 
 
+MIN_SNAPSHOTS = 32      # default floor of the prefix cache's Mamba snapshot slots
+
+
 class MemoryManager:
     """Owns the caches and answers admission; the runner reads the pools, never allocates."""
 
@@ -102,9 +105,13 @@ class MemoryManager:
                       if layout.num_mamba_layers else None)
         self.draft_kv: KVPool | None = None
         self.journal: list[tuple] | None = None
-        # snapshot slots default to twice the running requests' Mamba state
+        # snapshot slots default to twice the running requests' Mamba state, at least
+        # MIN_SNAPSHOTS: one prompt saves a checkpoint every interval and at its end, and its
+        # answer another when it finishes, so a pool of two would evict a shared prefix's
+        # checkpoint with the same request's later ones before anyone could resume from it
+        slots = mamba_cache_slots or max(MIN_SNAPSHOTS, 2 * max_requests)
         self.prefix = (PrefixCache(self.allocator, self.mamba, track_interval=mamba_track_interval,
-                                   snapshot_slots=mamba_cache_slots or 2 * max_requests)
+                                   snapshot_slots=slots)
                        if prefix_cache else None)
         self.set_step_width(1)
 

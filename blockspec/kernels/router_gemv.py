@@ -33,7 +33,7 @@ _MAX_BLOCK_T = 16
 _MAX_BLOCK_E = 8
 _MAX_BLOCK_K = 1024
 _PROGRAMS_PER_SM = 3  # K splits stop before the grid passes this many programs per SM
-GEMM_MIN_TOKENS = 1024  # from here on a cuBLAS fp32 GEMM (prefill chunks; verify stays below)
+GEMM_MIN_TOKENS = 128  # from here on a cuBLAS fp32 GEMM (prefill chunks, verifies of 32+ x 4+ rows)
 
 
 def router_logits_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
