@@ -97,7 +97,7 @@ def build_engine(args: argparse.Namespace, max_bs: int, **engine_kw):
         if args.random_draft:
             raise ValueError("--random-draft builds a draft for a --preset target; with --model-path "
                              "give --speculative-draft-model-path")
-        return Engine(model_path=args.model_path, **common, **kw), args.model_path
+        return _simulated(Engine(model_path=args.model_path, **common, **kw), args), args.model_path
     device = resolve_device(args.device or "auto")
     dtype = DTYPES[args.dtype] if args.dtype not in (None, "auto") else torch.bfloat16
     cfg = presets.preset_config(args.preset)
@@ -113,7 +113,17 @@ def build_engine(args: argparse.Namespace, max_bs: int, **engine_kw):
                                                  device, dtype)
     label = f"random:{args.preset}" + (":lightning-quant" if args.quantized else "")
     tokenizer = synthetic_tokenizer(cfg["vocab_size"]) if args.json_schema else None
-    return Engine.from_model(model, draft=draft, tokenizer=tokenizer, **common), label
+    return _simulated(Engine.from_model(model, draft=draft, tokenizer=tokenizer, **common), args), label
+
+
+def _simulated(engine, args: argparse.Namespace):
+    """``engine`` with the simulated acceptance the flags ask for (every bench honours them)."""
+    try:
+        attach_simulation(engine, simulation_flags(args))
+    except ValueError:
+        engine.shutdown()
+        raise
+    return engine
 
 
 def random_draft_block(args: argparse.Namespace) -> int:
@@ -252,20 +262,33 @@ def transformers_decode(model_path: str | None, preset_cfg: dict | None, device:
             "decode_tok_per_s": round(batch / step_s, 2)}
 
 
-def attach_simulation(engine, flags: tuple) -> accept_profile.Simulation | None:
-    """Set the drafter's simulated acceptance from the (profile, length, phases) flags."""
+def simulation_flags(args: argparse.Namespace) -> tuple:
+    """(profile, length, phases) of the simulated-acceptance flags (None where not given)."""
+    return (getattr(args, "simulate_accept_profile", None),
+            getattr(args, "simulate_accept_length", None),
+            getattr(args, "simulate_low_accept_phases", None))
+
+
+def simulation_for(engine, flags: tuple) -> accept_profile.Simulation | None:
+    """The simulation the flags ask of ``engine``'s drafter (None: no simulation)."""
     profile, length, _ = flags
     if profile is None and length is None:
         return None
     if engine.drafter is None:
         flag = accept_profile.PROFILE_FLAG if profile is not None else accept_profile.LENGTH_FLAG
         raise ValueError(f"{flag} needs a draft (--random-draft or --speculative-draft-model-path)")
-    sim = accept_profile.resolve_simulation(*flags, engine.drafter.gamma)
+    return accept_profile.resolve_simulation(*flags, engine.drafter.gamma)
+
+
+def attach_simulation(engine, flags: tuple) -> None:
+    """Set the drafter's simulated acceptance from the (profile, length, phases) flags."""
+    sim = simulation_for(engine, flags)
+    if sim is None:
+        return
     p = sim.phases
     engine.drafter.simulate = SimulatedAcceptance(
         sim.probs, engine.device, every=p.every if p else 0, low_len=p.length if p else 0,
         low_scale=p.scale if p else 1.0)
-    return sim
 
 
 def single_input_len(args: argparse.Namespace) -> argparse.Namespace:
@@ -285,18 +308,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     if getattr(args, "breakdown", False):
         raise ValueError("--breakdown splits a prefill: use it with --prefill")
     batches = args.batch_size if isinstance(args.batch_size, list) else [args.batch_size]
-    flags = (getattr(args, "simulate_accept_profile", None), args.simulate_accept_length,
-             getattr(args, "simulate_low_accept_phases", None))
+    flags = simulation_flags(args)
     accept_profile.check_simulation_flags(*flags, args.json_schema)
     engine, label = build_engine(args, max(batches))
     # whole prefill chunks while requests decode too: a batch's decode time is its run less a
     # prefill-only run, which must prefill the prompts the same way
     engine.scheduler.decoding_chunk = engine.scheduler.chunk
-    try:
-        sim = attach_simulation(engine, flags)
-    except ValueError:
-        engine.shutdown()
-        raise
+    sim = simulation_for(engine, flags)
     sizes = {}
     if args.random_draft and args.model_path is None:
         sizes = draft_presets.draft_sizes(args.random_draft, preset_config(args.preset),

@@ -209,6 +209,9 @@ def _base(engine, label: str, args: argparse.Namespace, on: bool) -> dict:
             "device": torch.cuda.get_device_name(engine.device)
             if engine.device.type == "cuda" else "cpu",
             "dtype": str(engine.dtype).split(".")[-1], "quantized": bool(args.quantized),
+            "speculative": type(engine.drafter.draft).__name__ if engine.drafter else None,
+            "random_draft": getattr(args, "random_draft", None),
+            "simulated_accept_profile": getattr(args, "simulate_accept_profile", None),
             "radix_cache": on, "page_size": engine.args.page_size,
             "mamba_track_interval": engine.args.mamba_track_interval}
 
