@@ -50,7 +50,7 @@ from blockspec.bench.stats import percentile
 from blockspec.sampling import SamplingParams
 
 _TIMEOUT_S = 3600.0
-WARMUP_PREFIX = 4096   # agentic warm-up: the shared prefix (two default prefill chunks)
+WARMUP_PREFIX = 16384  # agentic warm-up: the shared prefix (two default prefill chunks)
 
 
 class _Tracker:
