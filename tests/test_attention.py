@@ -151,6 +151,38 @@ def test_triton_paged_matches_torch_native(interpreter, variant, splits, group, 
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block_m, block_n", [(128, 32), (64, 128), (32, 16)])
+def test_triton_paged_prefill_launch_configs_match_torch_native(interpreter, block_m, block_n):
+    """The tile heights and key blocks ``scripts/tune_attention_prefill.py`` sweeps, on ragged
+    prefill chunks (causal, GQA 4) with a page-crossing key block."""
+    from blockspec.kernels import paged_attention as tp
+
+    case = Case(block_m + block_n, hq=8, hkv=2, d=16, starts=[2, 0, 21], q_lens=[37, 9, 1])
+    meta = case.meta(TorchNativeAttention(), False)
+    ref = TorchNativeAttention().attend(case.q, case.k, case.v, meta, scale=0.25, causal=True,
+                                        window=None, sink=None)
+    tr, t0 = tp.ragged_tiles(case.q_lens, 4, block_m, torch.device("cpu"))
+    got = tp.paged_attention(case.q, case.k, case.v, meta.block_table, meta.req_slots,
+                             meta.seq_lens, meta.q_start, tr, t0, page_size=PAGE,
+                             block_m=block_m, block_n=block_n, scale=0.25, causal=True,
+                             num_warps=8, num_stages=2)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_launch_config_keeps_decode_tiles_and_gives_prefill_its_own():
+    from blockspec.kernels import paged_attention as tp
+
+    assert tp.launch_config(16)["block_m"] == 16 and tp.launch_config(16)["num_warps"] is None
+    assert tp.launch_config(tp.PREFILL_ROWS) == tp.PREFILL_CONFIG
+    with pytest.raises(ValueError, match="block_n"):
+        case = Case(1, hq=2, hkv=1, d=16, starts=[0], q_lens=[2])
+        meta = case.meta(TorchNativeAttention(), True)
+        tr, t0 = tp.uniform_tiles(1, 2, 2, 16, torch.device("cpu"))
+        tp.paged_attention(case.q, case.k, case.v, meta.block_table, meta.req_slots,
+                           meta.seq_lens, meta.q_start, tr, t0, page_size=PAGE, block_m=16,
+                           scale=1.0, block_n=48)
+
+
 def test_triton_backend_through_the_interface(interpreter):
     from blockspec.attention.triton_paged import TritonPagedAttention
 

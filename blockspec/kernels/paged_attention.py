@@ -20,6 +20,12 @@ from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow
 
 BLOCK_N = 64
 _KERNELS = Path(__file__).with_name("_paged_attention_kernels.py")
+# Prefill-sized tiles (from PREFILL_ROWS (query, head) rows per request and KV head on: an
+# eager prefill chunk, a prefill graph's bucket) take this launch config; decode and verify
+# keep pick_block_m's tile, BLOCK_N keys and Triton's default warps and stages.
+# scripts/tune_attention_prefill.py measures the candidates on a GPU.
+PREFILL_ROWS = 1024
+PREFILL_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
 
 
 def pick_block_m(rows_per_request: int) -> int:
@@ -28,6 +34,16 @@ def pick_block_m(rows_per_request: int) -> int:
     while m < rows_per_request and m < 64:
         m *= 2
     return m
+
+
+def launch_config(rows_per_request: int) -> dict:
+    """Tile height, key block, warps and stages for requests of ``rows_per_request`` (query,
+    head) rows per KV head: ``PREFILL_CONFIG`` from ``PREFILL_ROWS`` rows on, else
+    ``pick_block_m``'s tile with the built-in key block and Triton's defaults."""
+    if rows_per_request >= PREFILL_ROWS:
+        return dict(PREFILL_CONFIG)
+    return {"block_m": pick_block_m(rows_per_request), "block_n": BLOCK_N, "num_warps": None,
+            "num_stages": None}
 
 
 def uniform_tiles(batch: int, q_len: int, group: int, block_m: int, device: torch.device
@@ -63,9 +79,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     q_start: torch.Tensor, tile_req: torch.Tensor, tile_row0: torch.Tensor, *,
                     page_size: int, block_m: int, scale: float, causal: bool = True,
                     window: int | None = None, sink: torch.Tensor | None = None,
-                    splits: int = 1) -> torch.Tensor:
+                    splits: int = 1, block_n: int = BLOCK_N, num_warps: int | None = None,
+                    num_stages: int | None = None) -> torch.Tensor:
     """q [N, Hq, D] -> [N, Hq, D]; see ``attention/base.py`` for the semantics. ``tile_*`` from
-    ``uniform_tiles`` / ``ragged_tiles`` with the same ``block_m``."""
+    ``uniform_tiles`` / ``ragged_tiles`` with the same ``block_m``; ``block_n`` keys per
+    inner step (a power of two >= 16); ``num_warps`` / ``num_stages`` of the attention launch
+    (None: Triton's defaults)."""
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
     if hq % hkv:
@@ -78,7 +97,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kernels = load_kernels(_KERNELS)
     attn, merge = kernels._attn_kernel, kernels._merge_kernel
     # the interpreter needs a fixed trip count (reading seq_lens is fine on the CPU)
-    static_iters = -(-int(seq_lens.max()) // BLOCK_N) + 1 if interpret else 0
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"paged_attention: block_n must be a power of two >= 16, got {block_n}")
+    static_iters = -(-int(seq_lens.max()) // block_n) + 1 if interpret else 0
     ieee = q.dtype == torch.float32
     sink_t = sink.float().contiguous() if sink is not None else q.new_zeros(1, dtype=torch.float32)
     if splits > 1:
@@ -90,13 +111,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         pm = pl = po = sink_t
     common = dict(G=hq // hkv, D=d, BLOCK_D=block_d, BLOCK_M=block_m, SPLITS=splits,
                   HAS_SINK=sink is not None)
+    launch = {} if interpret else {k: v for k, v in (("num_warps", num_warps),
+                                                     ("num_stages", num_stages)) if v is not None}
     attn[(tiles, hkv, splits)](
         q, k_cache, v_cache, out, pm, pl, po, block_table, req_slots, seq_lens, q_start,
         tile_req, tile_row0, sink_t, scale, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0),
-        PAGE=page_size, BLOCK_N=BLOCK_N, CAUSAL=causal, WINDOWED=window is not None,
-        IEEE=ieee, STATIC_ITERS=static_iters, **common)
+        PAGE=page_size, BLOCK_N=block_n, CAUSAL=causal, WINDOWED=window is not None,
+        IEEE=ieee, STATIC_ITERS=static_iters, **common, **launch)
     if splits > 1:
         merge_m, merge_d = min(block_m, 16), min(block_d, 32)
         chunks = (block_m // merge_m) * (block_d // merge_d)

@@ -1,0 +1,141 @@
+"""Launch-config sweep of the paged attention kernel on prefill chunks, Lightning's shapes.
+
+    python scripts/tune_attention_prefill.py --out attn.jsonl           # one GPU, ~3 minutes
+    TRITON_INTERPRET=1 python scripts/tune_attention_prefill.py --smoke --out s.jsonl   # CPU
+
+Why: at 64k tokens and beyond, causal attention over the growing context is the largest part
+of a prefill (about half of a 131k prompt's time to first token at ~230 TFLOP/s), and the
+kernel's prefill tiles (``PREFILL_CONFIG`` in ``blockspec/kernels/paged_attention.py``) were
+never tuned. Shape: one request, GQA 32 query / 2 KV heads of 128, pages of 16 (shuffled),
+bf16; a chunk of ``--chunk`` queries after ``--context`` cached tokens, causal. For each
+(chunk, context) every candidate (tile height x key block x warps x stages) is checked once
+against the current ``PREFILL_CONFIG``'s output (max |diff| <= 2e-2 x max |out|), then timed
+with CUDA events (median of ``--reps`` after warm-up). One JSON line per point in ``--out``;
+at the end the best per shape and the ``PREFILL_CONFIG`` that is best summed over the shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from blockspec.bench.timing import event_time_ms
+from blockspec.kernels import paged_attention as pa
+
+HQ, HKV, D, PAGE = 32, 2, 128, 16
+GRID = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8),
+        "num_stages": (2, 3, 4)}
+SMOKE = dict(hq=4, hkv=2, d=16, chunks=(24,), contexts=(8, 40))
+
+
+def inputs(chunk: int, context: int, hq: int, hkv: int, d: int, device: torch.device,
+           dtype: torch.dtype, seed: int = 0) -> dict:
+    """q of the chunk, a KV cache holding context + chunk tokens on shuffled pages, and the
+    table rows of one request."""
+    g = torch.Generator().manual_seed(seed)
+    total = context + chunk
+    pages = -(-total // PAGE) + 1
+    perm = torch.randperm(pages + 2, generator=g)[:pages]
+    table = torch.zeros(2, pages, dtype=torch.int32)
+    table[0] = perm.to(torch.int32)
+    slots = (pages + 2) * PAGE
+    k = torch.randn(slots, hkv, d, generator=g).to(dtype)
+    v = torch.randn(slots, hkv, d, generator=g).to(dtype)
+    q = torch.randn(chunk, hq, d, generator=g).to(dtype)
+    to = {"device": device}
+    return {"q": q.to(**to), "k": k.to(**to), "v": v.to(**to), "table": table.to(**to),
+            "slots": torch.zeros(1, dtype=torch.long, device=device),
+            "seq": torch.tensor([total], device=device),
+            "qst": torch.tensor([0, chunk], device=device)}
+
+
+def run(x: dict, group: int, cfg: dict) -> torch.Tensor:
+    tr, t0 = pa.ragged_tiles([x["q"].shape[0]], group, cfg["block_m"], x["q"].device)
+    return pa.paged_attention(x["q"], x["k"], x["v"], x["table"], x["slots"], x["seq"],
+                              x["qst"], tr, t0, page_size=PAGE, scale=D ** -0.5, causal=True,
+                              **cfg)
+
+
+def causal_flops(chunk: int, context: int, hq: int, d: int) -> float:
+    """QK^T and PV over the keys each query sees: sum over i of (context + i + 1) keys."""
+    keys = chunk * context + chunk * (chunk + 1) / 2
+    return 4.0 * keys * hq * d
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--chunk", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--context", type=int, nargs="+", default=[8192, 32768, 65536])
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=240.0)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (the interpreter's check)")
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    hq, hkv, d = (SMOKE["hq"], SMOKE["hkv"], SMOKE["d"]) if args.smoke else (HQ, HKV, D)
+    chunks = SMOKE["chunks"] if args.smoke else args.chunk
+    contexts = SMOKE["contexts"] if args.smoke else args.context
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    grid = [dict(zip(GRID, vals)) for vals in itertools.product(*GRID.values())]
+    if args.smoke:
+        grid = [c for c in grid if c["num_stages"] == 2 and c["num_warps"] == 4]
+    end = time.monotonic() + args.budget_s
+    records, base_cfg = [], dict(pa.PREFILL_CONFIG)
+    with open(args.out, "a") as f:
+        for chunk, context in itertools.product(chunks, contexts):
+            x = inputs(chunk, context, hq, hkv, d, device, dtype)
+            want = run(x, hq // hkv, base_cfg).float()
+            scale = float(want.abs().max()) or 1.0
+            flops = causal_flops(chunk, context, hq, d)
+            for cfg in grid:
+                rec = {"chunk": chunk, "context": context, **cfg}
+                if time.monotonic() > end:
+                    rec["status"] = "skipped"
+                else:
+                    try:
+                        got = run(x, hq // hkv, cfg).float()
+                        err = float((got - want).abs().max()) / scale
+                        if err > 2e-2:
+                            rec.update(status="mismatch", err=err)
+                        else:
+                            ms = event_time_ms(lambda cfg=cfg: run(x, hq // hkv, cfg), args.reps,
+                                               device)
+                            rec.update(status="ok", err=err, ms=ms,
+                                       tflops=flops / (ms * 1e-3) / 1e12)
+                    except Exception as e:     # a config the compiler refuses (shared memory)
+                        rec.update(status="failed", error=f"{type(e).__name__}: {e}"[:200])
+                records.append(rec)
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+    ok = [r for r in records if r["status"] == "ok"]
+    for chunk, context in itertools.product(chunks, contexts):
+        here = [r for r in ok if r["chunk"] == chunk and r["context"] == context]
+        if not here:
+            continue
+        best = min(here, key=lambda r: r["ms"])
+        base = next((r for r in here if all(r[k] == base_cfg[k] for k in GRID)), None)
+        print(f"chunk {chunk} context {context}: best {best['ms']:.3f} ms "
+              f"({best['tflops']:.0f} TFLOP/s) {[best[k] for k in GRID]}; current "
+              + (f"{base['ms']:.3f} ms ({base['tflops']:.0f} TFLOP/s)" if base else "not timed"))
+    shapes = {(r["chunk"], r["context"]) for r in ok}
+    totals = {}
+    for r in ok:
+        key = tuple(r[k] for k in GRID)
+        totals.setdefault(key, {})[(r["chunk"], r["context"])] = r["ms"]
+    full = {k: sum(v.values()) for k, v in totals.items() if set(v) == shapes}
+    if full:
+        key = min(full, key=full.get)
+        print("PREFILL_CONFIG =", json.dumps(dict(zip(GRID, key))),
+              f"# {full[key]:.2f} ms over the shapes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
