@@ -96,6 +96,17 @@ def write_draft(folder: Path, cfg_dict: dict, seed: int = 0, std: float = 0.3,
     return folder
 
 
+def low_entropy_target_and_drafts(root: Path) -> tuple[Path, dict[str, Path]]:
+    """The low-entropy speculative target (vocab 24) and one DFlash and one DSpark draft of
+    block 4 for it: (target folder, {"DFLASH": folder, "DSPARK": folder})."""
+    _, folder = make_spec_target(root, offset=2.0, mix=0.3, pull=3.5)
+    drafts = {}
+    for kind in ("dflash", "dspark"):
+        cfg = draft_config(kind, hidden=32, vocab=24, target_layers=7, block_size=4)
+        drafts[kind.upper()] = write_draft(root / kind, cfg, std=0.05)
+    return folder, drafts
+
+
 def quantize_draft_w4a16(folder: Path) -> Path:
     """Rewrite a dense draft in place as a Nemotron-3.5-style W4A16_NVFP4 checkpoint: every Linear
     (fc, attention, MLP, DSpark markov_w2) and embed_tokens packed, markov_w1 and norms dense."""

@@ -13,7 +13,7 @@ import torch
 
 from blockspec import Engine
 from blockspec.runtime.prefill_graphs import MAX_PAD, PAD_FREE, PrefillGraphs, buckets, pieces
-from tests.spec_fixtures import draft_config, make_spec_target, write_draft
+from tests.spec_fixtures import low_entropy_target_and_drafts
 
 
 @pytest.mark.parametrize("cap", [16, 40, 512, 2048])
@@ -86,13 +86,7 @@ def test_padded_chunks_write_the_caches_the_plain_chunks_write(tiny_folder):
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
-    root = tmp_path_factory.mktemp("padded_spec")
-    _, folder = make_spec_target(root, offset=2.0, mix=0.3, pull=3.5)
-    drafts = {}
-    for kind in ("dflash", "dspark"):
-        cfg = draft_config(kind, hidden=32, vocab=24, target_layers=7, block_size=4)
-        drafts[kind.upper()] = write_draft(root / kind, cfg, std=0.05)
-    return folder, drafts
+    return low_entropy_target_and_drafts(tmp_path_factory.mktemp("padded_spec"))
 
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from blockspec import Engine
-from tests.spec_fixtures import draft_config, make_spec_target, write_draft
+from tests.spec_fixtures import low_entropy_target_and_drafts
 
 PAGE, INTERVAL, CHUNK = 4, 16, 12
 KW = {"device": "cpu", "page_size": PAGE, "mamba_track_interval": INTERVAL,
@@ -23,13 +23,7 @@ SEEDED = {"max_new_tokens": 10, "temperature": 1.0, "top_k": 8, "seed": 7, "igno
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
     """The low-entropy speculative target and one DFlash and one DSpark draft."""
-    root = tmp_path_factory.mktemp("prefix_spec")
-    _, folder = make_spec_target(root, offset=2.0, mix=0.3, pull=3.5)
-    drafts = {}
-    for kind in ("dflash", "dspark"):
-        cfg = draft_config(kind, hidden=32, vocab=24, target_layers=7, block_size=4)
-        drafts[kind.upper()] = write_draft(root / kind, cfg, std=0.05)
-    return folder, drafts
+    return low_entropy_target_and_drafts(tmp_path_factory.mktemp("prefix_spec"))
 
 
 def _pair(folder, algo=None, draft=None, **kw):
