@@ -8,7 +8,7 @@ of a prefill (about half of a 131k prompt's time to first token at ~230 TFLOP/s)
 kernel's prefill tiles (``PREFILL_CONFIG`` in ``blockspec/kernels/paged_attention.py``) were
 never tuned. Shape: one request, GQA 32 query / 2 KV heads of 128, pages of 16 (shuffled),
 bf16; a chunk of ``--chunk`` queries after ``--context`` cached tokens, causal. For each
-(chunk, context) every candidate (tile height x key block x warps x stages) is checked once
+(chunk, context) every candidate (tile height x key block x warps x stages x unmasked full blocks) is checked once
 against the current ``PREFILL_CONFIG``'s output (max |diff| <= 2e-2 x max |out|), then timed
 with CUDA events (median of ``--reps`` after warm-up). One JSON line per point in ``--out``;
 at the end the best per shape and the ``PREFILL_CONFIG`` that is best summed over the shapes.
@@ -31,7 +31,7 @@ from blockspec.kernels import paged_attention as pa
 
 HQ, HKV, D, PAGE = 32, 2, 128, 16
 GRID = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8),
-        "num_stages": (2, 3, 4)}
+        "num_stages": (2, 3, 4), "full_blocks": (False, True)}
 SMOKE = dict(hq=4, hkv=2, d=16, chunks=(24,), contexts=(8, 40))
 
 

@@ -151,21 +151,29 @@ def test_triton_paged_matches_torch_native(interpreter, variant, splits, group, 
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("block_m, block_n", [(128, 32), (64, 128), (32, 16)])
-def test_triton_paged_prefill_launch_configs_match_torch_native(interpreter, block_m, block_n):
-    """The tile heights and key blocks ``scripts/tune_attention_prefill.py`` sweeps, on ragged
-    prefill chunks (causal, GQA 4) with a page-crossing key block."""
+@pytest.mark.parametrize("block_m, block_n, full, variant, d",
+                         [(128, 32, False, "causal", 16), (64, 128, True, "causal", 16),
+                          (32, 16, True, "causal", 24), (16, 16, True, "noncausal", 16),
+                          (16, 16, True, "window", 16), (16, 32, True, "sink", 16)])
+def test_triton_paged_prefill_launch_configs_match_torch_native(interpreter, block_m, block_n,
+                                                                full, variant, d):
+    """The tile heights, key blocks and unmasked full blocks ``scripts/tune_attention_prefill``
+    sweeps, on ragged prefill chunks (GQA 4) with page-crossing key blocks and long contexts
+    (the full blocks before each tile's first query), a masked head dim among them."""
     from blockspec.kernels import paged_attention as tp
 
-    case = Case(block_m + block_n, hq=8, hkv=2, d=16, starts=[2, 0, 21], q_lens=[37, 9, 1])
+    kw = VARIANTS[variant]
+    case = Case(block_m + block_n + d, hq=8, hkv=2, d=d, starts=[2, 0, 53], q_lens=[37, 9, 3])
+    sink = case.sink if kw["sink"] else None
     meta = case.meta(TorchNativeAttention(), False)
-    ref = TorchNativeAttention().attend(case.q, case.k, case.v, meta, scale=0.25, causal=True,
-                                        window=None, sink=None)
+    ref = TorchNativeAttention().attend(case.q, case.k, case.v, meta, scale=0.25,
+                                        causal=kw["causal"], window=kw["window"], sink=sink)
     tr, t0 = tp.ragged_tiles(case.q_lens, 4, block_m, torch.device("cpu"))
     got = tp.paged_attention(case.q, case.k, case.v, meta.block_table, meta.req_slots,
                              meta.seq_lens, meta.q_start, tr, t0, page_size=PAGE,
-                             block_m=block_m, block_n=block_n, scale=0.25, causal=True,
-                             num_warps=8, num_stages=2)
+                             block_m=block_m, block_n=block_n, scale=0.25, causal=kw["causal"],
+                             window=kw["window"], sink=sink, num_warps=8, num_stages=2,
+                             full_blocks=full)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 

@@ -10,24 +10,39 @@ import triton.language as tl
 @triton.jit
 def _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, dmask, kp, kmask, qpos, row_ok,
                m_i, l_i, acc, scale, window, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
-               WINDOWED: tl.constexpr, IEEE: tl.constexpr):
-    """One block of keys folded into the running softmax state (m, l, acc)."""
-    page = tl.load(BT + slot * s_bt + kp // PAGE, mask=kmask, other=0)
+               WINDOWED: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr = True,
+               EVEN_D: tl.constexpr = False):
+    """One block of keys folded into the running softmax state (m, l, acc). Not ``MASKED``:
+    a block every row of the tile may see whole (in bounds, at or before every row's
+    position, no window), so no mask is computed or applied."""
+    if MASKED:
+        page = tl.load(BT + slot * s_bt + kp // PAGE, mask=kmask, other=0)
+    else:
+        page = tl.load(BT + slot * s_bt + kp // PAGE)
     ks = page.to(tl.int64) * PAGE + kp % PAGE
-    kvmask = kmask[:, None] & dmask[None, :]
-    k = tl.load(K + ks[:, None] * s_kn + h * s_kh + d[None, :], mask=kvmask, other=0.0)
-    v = tl.load(V + ks[:, None] * s_kn + h * s_kh + d[None, :], mask=kvmask, other=0.0)
+    kptr = ks[:, None] * s_kn + h * s_kh + d[None, :]
+    if MASKED:
+        kvmask = kmask[:, None] & dmask[None, :]
+        k = tl.load(K + kptr, mask=kvmask, other=0.0)
+        v = tl.load(V + kptr, mask=kvmask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(K + kptr)
+        v = tl.load(V + kptr)
+    else:
+        k = tl.load(K + kptr, mask=dmask[None, :], other=0.0)
+        v = tl.load(V + kptr, mask=dmask[None, :], other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
     s = s * scale
-    allowed = kmask[None, :] & row_ok[:, None]
-    if CAUSAL:
-        allowed = allowed & (kp[None, :] <= qpos[:, None])
-    if WINDOWED:
-        allowed = allowed & ((qpos[:, None] - kp[None, :]) < window)
-    s = tl.where(allowed, s, float("-inf"))
+    if MASKED:
+        allowed = kmask[None, :] & row_ok[:, None]
+        if CAUSAL:
+            allowed = allowed & (kp[None, :] <= qpos[:, None])
+        if WINDOWED:
+            allowed = allowed & ((qpos[:, None] - kp[None, :]) < window)
+        s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_safe)
@@ -45,7 +60,8 @@ def _attn_kernel(Q, K, V, O, PM, PL, PO, BT, SLOTS, SEQ, QST, TILE_REQ, TILE_R0,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                  CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_SINK: tl.constexpr,
-                 IEEE: tl.constexpr, STATIC_ITERS: tl.constexpr):
+                 IEEE: tl.constexpr, STATIC_ITERS: tl.constexpr,
+                 FULL_BLOCKS: tl.constexpr = False, EVEN_D: tl.constexpr = False):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -80,15 +96,35 @@ def _attn_kernel(Q, K, V, O, PM, PL, PO, BT, SLOTS, SEQ, QST, TILE_REQ, TILE_R0,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    # FULL_BLOCKS: the whole key blocks every row may see (before the tile's first query
+    # position) run unmasked first, the rest masked; otherwise every block is masked
+    full_end = start
+    if FULL_BLOCKS and not WINDOWED:
+        free = end
+        if CAUSAL:
+            free = tl.minimum(free, L - qn + r0 // G + 1)
+        full_end = start + tl.maximum(free - start, 0) // BLOCK_N * BLOCK_N
     if STATIC_ITERS > 0:
         # the interpreter cannot loop over loaded bounds: a fixed trip count, masked
         for it in range(STATIC_ITERS):
-            kp = start + it * BLOCK_N + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc = _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, dmask, kp,
-                                       kp < end, qpos, row_ok, m_i, l_i, acc, scale, window,
-                                       PAGE, CAUSAL, WINDOWED, IEEE)
+            s0 = start + it * BLOCK_N
+            kp = s0 + tl.arange(0, BLOCK_N)
+            if s0 + BLOCK_N <= full_end:
+                m_i, l_i, acc = _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, dmask,
+                                           kp, kp < end, qpos, row_ok, m_i, l_i, acc, scale,
+                                           window, PAGE, CAUSAL, WINDOWED, IEEE, False, EVEN_D)
+            else:
+                m_i, l_i, acc = _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, dmask,
+                                           kp, kp < end, qpos, row_ok, m_i, l_i, acc, scale,
+                                           window, PAGE, CAUSAL, WINDOWED, IEEE)
     else:
-        for s0 in range(start, end, BLOCK_N):
+        if FULL_BLOCKS and not WINDOWED:
+            for s0 in range(start, full_end, BLOCK_N):
+                kp = s0 + tl.arange(0, BLOCK_N)
+                m_i, l_i, acc = _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, dmask,
+                                           kp, kp < end, qpos, row_ok, m_i, l_i, acc, scale,
+                                           window, PAGE, CAUSAL, WINDOWED, IEEE, False, EVEN_D)
+        for s0 in range(full_end, end, BLOCK_N):
             kp = s0 + tl.arange(0, BLOCK_N)
             m_i, l_i, acc = _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, dmask, kp,
                                        kp < end, qpos, row_ok, m_i, l_i, acc, scale, window,

@@ -25,7 +25,9 @@ _KERNELS = Path(__file__).with_name("_paged_attention_kernels.py")
 # keep pick_block_m's tile, BLOCK_N keys and Triton's default warps and stages.
 # scripts/tune_attention_prefill.py measures the candidates on a GPU.
 PREFILL_ROWS = 1024
-PREFILL_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+# full_blocks: the key blocks a whole tile sees run without masks (the rest masked).
+PREFILL_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3,
+                  "full_blocks": False}
 
 
 def pick_block_m(rows_per_request: int) -> int:
@@ -43,7 +45,7 @@ def launch_config(rows_per_request: int) -> dict:
     if rows_per_request >= PREFILL_ROWS:
         return dict(PREFILL_CONFIG)
     return {"block_m": pick_block_m(rows_per_request), "block_n": BLOCK_N, "num_warps": None,
-            "num_stages": None}
+            "num_stages": None, "full_blocks": False}
 
 
 def uniform_tiles(batch: int, q_len: int, group: int, block_m: int, device: torch.device
@@ -80,11 +82,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     page_size: int, block_m: int, scale: float, causal: bool = True,
                     window: int | None = None, sink: torch.Tensor | None = None,
                     splits: int = 1, block_n: int = BLOCK_N, num_warps: int | None = None,
-                    num_stages: int | None = None) -> torch.Tensor:
+                    num_stages: int | None = None, full_blocks: bool = False) -> torch.Tensor:
     """q [N, Hq, D] -> [N, Hq, D]; see ``attention/base.py`` for the semantics. ``tile_*`` from
     ``uniform_tiles`` / ``ragged_tiles`` with the same ``block_m``; ``block_n`` keys per
     inner step (a power of two >= 16); ``num_warps`` / ``num_stages`` of the attention launch
-    (None: Triton's defaults)."""
+    (None: Triton's defaults); ``full_blocks``: key blocks every row of a tile sees whole
+    run without masks."""
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
     if hq % hkv:
@@ -119,7 +122,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0),
         PAGE=page_size, BLOCK_N=block_n, CAUSAL=causal, WINDOWED=window is not None,
-        IEEE=ieee, STATIC_ITERS=static_iters, **common, **launch)
+        IEEE=ieee, STATIC_ITERS=static_iters, FULL_BLOCKS=full_blocks, EVEN_D=block_d == d,
+        **common, **launch)
     if splits > 1:
         merge_m, merge_d = min(block_m, 16), min(block_d, 32)
         chunks = (block_m // merge_m) * (block_d // merge_d)
