@@ -116,12 +116,12 @@ def target(tmp_path_factory):
     return root, folder, [o["output_ids"] for o in ref]
 
 
-def _engine(root, folder, kind, block, head="vanilla", **kw):
+def _engine(root, folder, kind, block, head="vanilla", std=0.05, adaptive=True, **kw):
     cfg = draft_config(kind, hidden=HIDDEN, vocab=VOCAB, target_layers=LAYERS, block_size=block,
                        **({"head_type": head, "sample_from_anchor": True} if kind == "dspark" else {}))
-    draft = write_draft(root / f"ad_{kind}_{block}_{head}", cfg, std=0.05)
+    draft = write_draft(root / f"ad_{kind}_{block}_{head}_{std}", cfg, std=std)
     return Engine(model_path=str(folder), device="cpu", speculative_algorithm=kind.upper(),
-                  speculative_draft_model_path=str(draft), speculative_adaptive=True, **kw)
+                  speculative_draft_model_path=str(draft), speculative_adaptive=adaptive, **kw)
 
 
 def _widths(outs):
@@ -154,6 +154,27 @@ def test_greedy_token_exact_with_the_chooser(target, kind, block):
     assert sum(_widths(outs)) == sum(o["meta_info"]["spec_verify_ct"] for o in outs) > 0
     # the chooser read the steps' acceptance back: its estimate left the prior
     assert e.drafter.chooser.p != [0.8] * (e.drafter.width - 1)
+
+
+@pytest.mark.parametrize("kind, block, w", [("dflash", 5, 3), ("dspark", 4, 3)])
+def test_a_forced_width_drafts_as_that_fixed_width_does(target, kind, block, w):
+    """An adaptive step at width w runs the block of w - 1 drafts that the fixed width w
+    (``speculative_num_draft_tokens=w``) runs, with the same draft weights: the same
+    proposals, so the same acceptance, not only the same tokens."""
+    root, folder, ref = target
+    # weights large enough that every mask row of the block moves the drafts before it
+    adaptive = _engine(root, folder, kind, block, std=0.3)
+    adaptive.drafter.chooser.force = iter(lambda: w, None)
+    fixed = _engine(root, folder, kind, block, std=0.3, adaptive=False,
+                    speculative_num_draft_tokens=w)
+    assert fixed.drafter.widths == (w,)
+    # one prompt at a time: in a batch the engines admit differently (the adaptive one
+    # reserves room for its widest step), and batch shapes round near-tied drafts apart
+    for prompt, want in zip(PROMPTS[:4], ref):
+        a, f = (e.generate(input_ids=prompt, sampling_params=GREEDY) for e in (adaptive, fixed))
+        assert a["output_ids"] == f["output_ids"] == want
+        assert a["meta_info"]["spec_accept_histogram"][:w] == f["meta_info"]["spec_accept_histogram"]
+        assert sum(f["meta_info"]["spec_accept_histogram"][1:]) > 0     # some drafts accepted
 
 
 def test_fixed_width_is_pinned_to_the_maximum(target):

@@ -258,20 +258,27 @@ class DFlashDraftModel(nn.Module):
     def head_dim(self) -> int:
         return self.config.head_dim
 
-    def block_inputs(self, anchor: torch.Tensor, start_positions: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_inputs(self, anchor: torch.Tensor, start_positions: torch.Tensor,
+                     drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``ids = [anchor, mask * (Q-1)]`` and ``positions = start + arange(Q)``, both [B, Q],
-        with Q = ``config.query_len``.  ``start_positions`` is the committed length p."""
-        q = self.config.query_len
+        with Q = ``config.query_len``, or the rows of a block of ``drafts`` drafts (a shorter
+        block, as a smaller ``block_size`` would give).  ``start_positions`` is the committed
+        length p."""
+        q = self.config.query_len if drafts is None else self.query_rows(drafts)
         ids = torch.full((anchor.shape[0], q), self.config.mask_token_id, dtype=torch.long,
                          device=anchor.device)
         ids[:, 0] = anchor
         pos = start_positions.to(torch.long)[:, None] + torch.arange(q, device=anchor.device)
         return ids, pos
 
-    def select_draft_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The ``[B, gamma, H]`` rows that carry drafts, per the config's block layout."""
-        gamma = self.config.gamma
+    def query_rows(self, drafts: int) -> int:
+        """Rows of a block that proposes ``drafts`` drafts, per the config's block layout."""
+        return drafts + 1 if self.config.drops_anchor_row else drafts
+
+    def select_draft_hidden(self, hidden: torch.Tensor, drafts: int | None = None) -> torch.Tensor:
+        """The ``[B, gamma, H]`` rows that carry drafts (``drafts`` rows for a shorter block),
+        per the config's block layout."""
+        gamma = self.config.gamma if drafts is None else drafts
         if self.config.drops_anchor_row:
             return select_draft_hidden_without_anchor(hidden, gamma)
         if hidden.dim() != 3 or hidden.shape[1] != gamma:

@@ -52,7 +52,6 @@ class SpecWorker:
         cfg = draft.config
         self.gamma = cfg.gamma
         self.width = cfg.gamma + 1                  # the widest verify: positions p .. p + gamma
-        self.query_len = cfg.query_len
         self.is_dspark = cfg.algorithm == "dspark"
         self.pool = self.memory.add_draft_pool(cfg.num_hidden_layers, draft.num_kv_heads,
                                                draft.head_dim, dtype)
@@ -176,16 +175,15 @@ class SpecWorker:
         if width == 1:
             return inp["token"][:, None][:, :0], None, None, None
         draft, target, m = self.draft, self.target, self.memory
-        B, Q = inp["slot"].shape[0], self.query_len
+        # a width-w step drafts with a block of w - 1 drafts, exactly as a fixed width w does
+        n = width - 1
+        B, Q = inp["slot"].shape[0], draft.query_rows(n)
         anchor = inp["token"]
-        ids, _ = draft.block_inputs(anchor, inp["prefix"])                           # [B, Q]
+        ids, _ = draft.block_inputs(anchor, inp["prefix"], n)                        # [B, Q]
         x = draft.embed_block(ids, target.backbone.embeddings).reshape(B * Q, -1)
         dmeta = uniform_metadata(inp, Q, Mode.DRAFT, ids, m.block_table, m.page_size, self.attn,
                                  self.pool, max_seq_len=self.runner.host_max_seq_len)
-        h = draft.select_draft_hidden(draft.forward_paged(x, dmeta).view(B, Q, -1))  # [B, γ, H]
-        n = width - 1       # only the drafts this width verifies are scored (and walked)
-        if n < self.gamma:
-            h = h[:, :n].contiguous()                                                # [B, n, H]
+        h = draft.select_draft_hidden(draft.forward_paged(x, dmeta).view(B, Q, -1), n)
         base = self.draft_logits(h)                                                  # [B, n, V]
         if self.is_dspark:
             u_draft = None if greedy_only else uniforms(
@@ -213,7 +211,7 @@ class SpecWorker:
                                     capture_layers=self.runner.capture_layers,
                                     max_seq_len=self.runner.host_max_seq_len)
             return self.target(meta), meta
-        if self.query_len == T:      # the verify reads the draft block's own positions
+        if dmeta.q_len == T:         # the verify reads the draft block's own positions
             vmeta = same_rows(dmeta, Mode.VERIFY, cand, self.runner.decode_attn, m.kv, m.mamba,
                               self.runner.capture_layers)
         else:
