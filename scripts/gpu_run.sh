@@ -12,6 +12,13 @@
 #   longctx    full preset, batch 1 decode after a 1k and a 16k prompt
 #   prefill    full preset TTFT vs the compute floor, 1k-128k prompts, quantized and bf16;
 #              the quantized 16k prefill's breakdown by layer kind (table: prefill_breakdown.txt)
+#   attn       the paged attention kernel's prefill launch-config sweep (attn_prefill.jsonl)
+#   decodeq    quantized full preset, published-size drafts at the published acceptance:
+#              AR, DFlash w6, adaptive (max 8) and DSpark, batch 1,4,16,64,128
+#   widths     fixed DFlash widths 2..8 at batch 1,16,64 (the best fixed width per batch), and
+#              AR / adaptive at tau 1.5 (the low-acceptance goal)
+#   itl        streams' inter-token latency while a 32k prompt prefills (chunks 64, 128)
+#   prefixc    prefix cache: multi-turn batch 1 and 16 to 32k; agentic AR and DFlash
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -89,6 +96,45 @@ prefill)
   timeout 280 $F --quantized --input-len 1024,4096,16384,65536,131072 2>>"$OUT/stderr.log"
   timeout 280 $F --input-len 1024,4096,16384,65536,131072 2>>"$OUT/stderr.log"
   timeout 150 $F --quantized --input-len 16384 --repeats 1 --breakdown 2>>"$OUT/prefill_breakdown.txt"
+  ;;
+attn)
+  timeout 280 python3 scripts/tune_attention_prefill.py --out "$OUT/attn_prefill.jsonl" \
+      --budget-s 240 2>>"$OUT/stderr.log" | tail -12
+  ;;
+decodeq)
+  Q="$B --preset nemotron-3.5-lightning --quantized --output-len 128 --batch-size 1,4,16,64,128"
+  timeout 150 $Q --repeats 1 2>>"$OUT/stderr.log" >/dev/null
+  timeout 200 $Q --repeats 1 --random-draft dflash-nemotron35 --speculative-num-draft-tokens 6 \
+      --simulate-accept-profile dflash-published 2>>"$OUT/stderr.log" >/dev/null
+  timeout 240 $Q --repeats 1 --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
+      --speculative-adaptive --simulate-accept-profile dflash-published 2>>"$OUT/stderr.log" >/dev/null
+  timeout 90 $B --preset nemotron-3.5-lightning --quantized --output-len 128 --batch-size 1 \
+      --repeats 1 --random-draft dspark-nemotron35 --speculative-num-draft-tokens 4 \
+      --simulate-accept-profile dspark-published 2>>"$OUT/stderr.log" >/dev/null
+  ;;
+widths)
+  W="$B --preset nemotron-3.5-lightning --quantized --output-len 128 --repeats 1"
+  for w in 2 3 4 5 7 8; do
+    timeout 100 $W --batch-size 1,16,64 --random-draft dflash-nemotron35 \
+        --speculative-num-draft-tokens $w --simulate-accept-profile dflash-published \
+        2>>"$OUT/stderr.log" >/dev/null
+  done
+  timeout 120 $W --batch-size 1,16,64 --random-draft dflash-nemotron35 --speculative-adaptive \
+      --speculative-num-draft-tokens 8 --simulate-accept-length 1.5 2>>"$OUT/stderr.log" >/dev/null
+  ;;
+itl)
+  timeout 200 $B --preset nemotron-3.5-lightning --quantized --itl-under-prefill --batch-size 16 \
+      --input-len 32768 --output-len 3000 --decoding-prefill-chunk-size 64,128 \
+      2>>"$OUT/stderr.log" >/dev/null
+  ;;
+prefixc)
+  P="$B --preset nemotron-3.5-lightning --quantized --prefix-cache"
+  timeout 280 $P --workload multi-turn --batch-size 1,16 --input-len 32768 --turns 8 \
+      --output-len 256 2>>"$OUT/stderr.log" >/dev/null
+  timeout 200 $P --workload agentic --input-len 65536 --suffix-len 1024 --output-len 400 \
+      --num-requests 16 --concurrency 1 --random-draft dflash-nemotron35 \
+      --speculative-num-draft-tokens 6 --simulate-accept-profile dflash-published \
+      2>>"$OUT/stderr.log" >/dev/null
   ;;
 esac
 done
