@@ -12,6 +12,11 @@ bf16; a chunk of ``--chunk`` queries after ``--context`` cached tokens, causal. 
 against the current ``PREFILL_CONFIG``'s output (max |diff| <= 2e-2 x max |out|), then timed
 with CUDA events (median of ``--reps`` after warm-up). One JSON line per point in ``--out``;
 at the end the best per shape and the ``PREFILL_CONFIG`` that is best summed over the shapes.
+``--flashinfer`` adds one point per shape for flashinfer's paged prefill
+(``BatchPrefillWithPagedKVCacheWrapper``, causal, NHD pages: the same cache seen as
+[pages, page, Hkv, D]), checked and timed the same way; flashinfer is not a dependency (on the
+GPU machine: carry the wheels ``../shared/tools/flashinfer_wheels.sh`` makes; its first call
+JIT-compiles for about 90 s).
 """
 from __future__ import annotations
 
@@ -63,6 +68,25 @@ def run(x: dict, group: int, cfg: dict) -> torch.Tensor:
                               **cfg)
 
 
+def flashinfer_run(x: dict, hq: int, hkv: int, d: int):
+    """A callable running flashinfer's paged causal prefill over ``x`` (planned once)."""
+    import flashinfer  # lazy: optional, GPU only
+
+    q, dev = x["q"], x["q"].device
+    pages = x["table"][0].to(torch.int32)
+    total = int(x["seq"][0])
+    used = -(-total // PAGE)
+    work = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(work, "NHD")
+    wrapper.plan(torch.tensor([0, q.shape[0]], dtype=torch.int32),
+                 torch.tensor([0, used], dtype=torch.int32), pages[:used].contiguous(),
+                 torch.tensor([total - (used - 1) * PAGE], dtype=torch.int32),
+                 hq, hkv, d, PAGE, causal=True, sm_scale=d ** -0.5, q_data_type=q.dtype,
+                 kv_data_type=x["k"].dtype)
+    kv = (x["k"].view(-1, PAGE, hkv, d), x["v"].view(-1, PAGE, hkv, d))
+    return lambda: wrapper.run(q, kv)
+
+
 def causal_flops(chunk: int, context: int, hq: int, d: int) -> float:
     """QK^T and PV over the keys each query sees: sum over i of (context + i + 1) keys."""
     keys = chunk * context + chunk * (chunk + 1) / 2
@@ -77,6 +101,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=240.0)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (the interpreter's check)")
+    p.add_argument("--flashinfer", action="store_true",
+                   help="also time flashinfer's paged prefill on each shape")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     hq, hkv, d = (SMOKE["hq"], SMOKE["hkv"], SMOKE["d"]) if args.smoke else (HQ, HKV, D)
@@ -112,6 +138,19 @@ def main() -> int:
                     except Exception as e:     # a config the compiler refuses (shared memory)
                         rec.update(status="failed", error=f"{type(e).__name__}: {e}"[:200])
                 records.append(rec)
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+            if args.flashinfer:
+                rec = {"chunk": chunk, "context": context, "impl": "flashinfer"}
+                try:
+                    fn = flashinfer_run(x, hq, hkv, d)
+                    err = float((fn().float() - want).abs().max()) / scale
+                    ms = event_time_ms(fn, args.reps, device)
+                    rec.update(status="ok" if err <= 2e-2 else "mismatch", err=err, ms=ms,
+                               tflops=flops / (ms * 1e-3) / 1e12)
+                except Exception as e:    # not installed, or its JIT failed
+                    rec.update(status="failed", error=f"{type(e).__name__}: {e}"[:300])
+                print(json.dumps(rec), flush=True)
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
     ok = [r for r in records if r["status"] == "ok"]
