@@ -132,7 +132,7 @@ class NemotronHForCausalLM(nn.Module):
         conv, ssm = pool.conv[n], pool.ssm[n]
         if meta.mode == Mode.EXTEND:
             # requests with equal chunk lengths share one batched chunked scan; consecutive
-            # ones read and write their rows as views (prefill is eager: host-side lengths)
+            # ones read and write their rows as views (the groups come from host-side lengths)
             groups = meta.extend_groups()
             out = None if len(groups) == 1 and groups[0].rows is None else torch.empty_like(x)
             for g in groups:
