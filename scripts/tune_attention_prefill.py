@@ -14,9 +14,9 @@ with CUDA events (median of ``--reps`` after warm-up). One JSON line per point i
 at the end the best per shape and the ``PREFILL_CONFIG`` that is best summed over the shapes.
 ``--flashinfer`` adds one point per shape for flashinfer's paged prefill
 (``BatchPrefillWithPagedKVCacheWrapper``, causal, NHD pages: the same cache seen as
-[pages, page, Hkv, D]), checked and timed the same way; flashinfer is not a dependency (on the
-GPU machine: carry the wheels ``../shared/tools/flashinfer_wheels.sh`` makes; its first call
-JIT-compiles for about 90 s).
+[pages, page, Hkv, D]), checked and timed the same way; flashinfer is not a dependency
+(``pip install flashinfer-python``; offline, its wheel and apache-tvm-ffi's installed with
+``--no-index``; its first call JIT-compiles for about 90 s).
 """
 from __future__ import annotations
 
