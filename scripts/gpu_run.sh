@@ -98,8 +98,8 @@ prefill)
   timeout 150 $F --quantized --input-len 16384 --repeats 1 --breakdown 2>>"$OUT/prefill_breakdown.txt"
   ;;
 attn)
-  timeout 280 python3 scripts/tune_attention_prefill.py --out "$OUT/attn_prefill.jsonl" \
-      --budget-s 240 2>>"$OUT/stderr.log" | tail -12
+  timeout 330 python3 scripts/tune_attention_prefill.py --out "$OUT/attn_prefill.jsonl" \
+      --budget-s 270 2>>"$OUT/stderr.log" | tail -12
   ;;
 decodeq)
   Q="$B --preset nemotron-3.5-lightning --quantized --output-len 128 --batch-size 1,4,16,64,128"

@@ -153,6 +153,7 @@ def test_triton_paged_matches_torch_native(interpreter, variant, splits, group, 
 
 @pytest.mark.parametrize("block_m, block_n, full, variant, d",
                          [(128, 32, False, "causal", 16), (64, 128, True, "causal", 16),
+                          (256, 16, True, "causal", 16),
                           (32, 16, True, "causal", 24), (16, 16, True, "noncausal", 16),
                           (16, 16, True, "window", 16), (16, 32, True, "sink", 16)])
 def test_triton_paged_prefill_launch_configs_match_torch_native(interpreter, block_m, block_n,

@@ -28,7 +28,7 @@ ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", PM="*fp32", PL="*fp32", 
             BT="*i32", SLOTS="*i64", SEQ="*i64", QST="*i64", TILE_REQ="*i32", TILE_R0="*i32",
             SINK="*fp32", scale="fp32")
 for full in (False, True):
-    for bm, bn, warps, stages in ((64, 64, 4, 3), (128, 128, 8, 3)):
+    for bm, bn, warps, stages in ((64, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 2)):
         const = dict(G=16, D=128, BLOCK_D=128, PAGE=16, BLOCK_M=bm, BLOCK_N=bn, SPLITS=1,
                      CAUSAL=True, WINDOWED=False, HAS_SINK=False, IEEE=False, STATIC_ITERS=0,
                      FULL_BLOCKS=full, EVEN_D=True)

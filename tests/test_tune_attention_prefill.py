@@ -22,7 +22,7 @@ def test_smoke_sweep_checks_times_and_names_a_config(tmp_path):
                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(recs) == 24 and all(r["status"] == "ok" and r["err"] < 1e-4 for r in recs)
+    assert len(recs) == 36 and all(r["status"] == "ok" and r["err"] < 1e-4 for r in recs)
     assert {r["block_n"] for r in recs} == {32, 64, 128}
     line = next(x for x in res.stdout.splitlines() if x.startswith("PREFILL_CONFIG = "))
     cfg = json.loads(line.split("= ", 1)[1].split(" #")[0])
