@@ -139,7 +139,7 @@ def test_gpu_graph_replayed_chunks_write_what_eager_chunks_write(tiny_folder, na
         graphs = PrefillGraphs(r.model, engine.memory, r.prefill_attn, 40, capture=True)
         r.prefill_graphs = None            # the runner's own extend runs eagerly
         _same_caches(engine, graphs, tol)
-        assert {b for b, _ in graphs._graphs} == {16, 32, 40}
+        assert {b for b, _ in graphs.graphs._graphs} == {16, 32, 40}
 
 
 @pytest.mark.gpu
@@ -163,4 +163,4 @@ def test_gpu_engine_answers_with_graph_prefill_are_the_eager_ones(tiny_folder, s
                 want = eager.generate(input_ids=p, sampling_params=params)
                 got = graphs.generate(input_ids=p, sampling_params=params)
                 assert got["output_ids"] == want["output_ids"], f"prompt of {len(p)}"
-        assert graphs.runner.prefill_graphs._graphs
+        assert graphs.runner.prefill_graphs.graphs._graphs

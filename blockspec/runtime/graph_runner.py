@@ -29,9 +29,11 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 class GraphRunner:
-    def __init__(self, device: torch.device, max_bs: int) -> None:
+    def __init__(self, device: torch.device, max_bs: int, sizes: list[int] | None = None) -> None:
+        """Graphs for batches up to ``max_bs``, at ``sizes`` (default ``capture_sizes``; the
+        prefill graphs pass their chunk buckets)."""
         self.device = device
-        self.sizes = capture_sizes(max_bs)
+        self.sizes = sizes if sizes is not None else capture_sizes(max_bs)
         self.max_bs = max_bs
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
         self._pool = None

@@ -7,24 +7,21 @@ chunk of one request runs as the forward captured for the next *bucket* length (
 ..., up to a maximum), padded: ``runtime.metadata.chunk_metadata`` derives everything on the
 device from the chunk's tokens and three scalars (slot, start, real length), padded rows
 write their K/V into the dummy slot, attend to nothing and leave the Mamba state as it was.
-A chunk whose bucket would pad it by more than a quarter runs as two or more pieces (the
-largest bucket that fits, then the rest). Graphs are captured the first time a bucket is
-needed (all smaller buckets with it, largest first, in one memory pool of their own), with
-the dummy slot as the request, so capturing touches no real cache.
+A chunk past 512 tokens whose bucket would pad it by more than a quarter runs as two or
+more pieces (the largest bucket that fits, then the rest). Graphs (a ``GraphRunner`` of
+their own: its own memory pool) are captured the first time a bucket is needed, all smaller
+buckets with it, with the dummy slot as the request, so capturing touches no real cache.
 
 Without graphs (``capture=False``: the CPU, or a test of the padded path) the same padded
 forward runs eagerly.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from blockspec.models.nemotron_h import ModelOutput, NemotronHForCausalLM
+from blockspec.runtime.graph_runner import GraphRunner
 from blockspec.runtime.metadata import chunk_metadata
-
-log = logging.getLogger("blockspec")
 
 MIN_BUCKET = 16
 PAD_FREE = 512      # buckets up to this are weight-bound: padding into them costs little
@@ -63,7 +60,6 @@ class PrefillGraphs:
         self.model, self.memory, self.attn = model, memory, attn
         self.sizes = buckets(max_tokens)
         self.max_tokens = max_tokens
-        self.capture = capture
         dev = memory.device
         # slot, start, real length, then the tokens: one pinned upload per piece
         pin = dev.type == "cuda"
@@ -71,8 +67,8 @@ class PrefillGraphs:
         self._dev = torch.zeros_like(self._host, device=dev) if pin else self._host
         self._scalars, self._ids = self._dev[:3], self._dev[3:]
         self._sent: torch.cuda.Event | None = None      # behind the last upload
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        self._pool = None
+        # keyed by (bucket, taps); a pool of its own (decode graphs keep state between steps)
+        self.graphs = GraphRunner(dev, max_tokens, sizes=self.sizes) if capture else None
         self._eager_seq_len = 0
 
     def fits(self, n: int) -> bool:
@@ -100,33 +96,13 @@ class PrefillGraphs:
             self._sent = torch.cuda.Event()
             self._sent.record()
 
-    def _graph(self, bucket: int, taps: tuple[int, ...]) -> tuple:
-        key = (bucket, taps)
-        if key not in self._graphs:
-            # this bucket and every smaller one, largest first (they share the pool)
-            for b in sorted((s for s in self.sizes if s <= bucket), reverse=True):
-                if (b, taps) not in self._graphs:
-                    self._record(b, taps)
-        return self._graphs[key]
-
-    def _record(self, bucket: int, taps: tuple[int, ...]) -> None:
-        """Warm up and capture one bucket, with the dummy slot as its one real row."""
-        dev = self.memory.device
-        self._load(self.memory.dummy_slot, 0, [0])
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(bucket, taps)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        torch.cuda.synchronize(dev)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(bucket, taps)
-        self._graphs[(bucket, taps)] = (graph, out)
-        log.info("captured prefill CUDA graph of %d tokens (taps %s)", bucket, taps)
+    def _ensure(self, bucket: int, taps: tuple[int, ...]) -> None:
+        """The graph of ``bucket`` and of every smaller bucket, captured largest first (they
+        share the pool) with the dummy slot as the one real row, so no real cache is touched."""
+        for b in sorted((s for s in self.sizes if s <= bucket), reverse=True):
+            if not self.graphs.has((b, taps)):
+                self._load(self.memory.dummy_slot, 0, [0])
+                self.graphs.capture((b, taps), lambda b=b: self._forward(b, taps))
 
     @torch.inference_mode()
     def extend(self, slot: int, start: int, ids: list[int],
@@ -135,11 +111,11 @@ class PrefillGraphs:
         aux hidden states of its rows and their positions and cache slots."""
         aux, rows, logits, at = [], [], None, 0
         for real, bucket in pieces(len(ids), self.sizes):
-            graph = self._graph(bucket, taps)[0] if self.capture else None
+            if self.graphs is not None:
+                self._ensure(bucket, taps)
             self._load(slot, start + at, ids[at:at + real])
-            if graph is not None:
-                graph.replay()
-                out = self._graphs[(bucket, taps)][1]
+            if self.graphs is not None:
+                out = self.graphs.replay((bucket, taps))
             else:
                 self._eager_seq_len = start + at + real
                 out = self._forward(bucket, taps)
