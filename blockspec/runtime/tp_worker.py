@@ -236,10 +236,19 @@ class MirroredRunner(ModelRunner):
     def launch_step(self, batch: StepBatch | None, fn, kind: str, width: int,
                     prev: Launched | None = None) -> Launched:
         self._check_kind(kind, fn, 0)
+        return self.named_step("launch_step", batch, kind, width, prev,
+                               lambda: super(MirroredRunner, self).launch_step(
+                                   batch, fn, kind, width, prev))
+
+    def named_step(self, what: str, batch: StepBatch | None, kind: str, width: int,
+                   prev: Launched | Pending | None, run):
+        """Announce a step (``what``: a launch or a constrained step's begin) under a new
+        id, run it, and give it that id: the workers name it so, and a later step launched
+        from it (``prev``) names it back."""
         sid = self.channel.next_id()
-        with self.mirrored("launch_step", *_plain(batch), kind, width,
+        with self.mirrored(what, *_plain(batch), kind, width,
                            prev.tp_id if prev is not None else 0, sid):
-            step = super().launch_step(batch, fn, kind, width, prev)
+            step = run()
         step.tp_id = sid
         return step
 
@@ -254,12 +263,9 @@ class MirroredPhases(PhasedSteps):
               prev: Launched | None = None) -> Pending:
         r = self.runner
         r._check_kind(kind, plan, 1)
-        pid = r.channel.next_id()
-        with r.mirrored("begin", *_plain(batch), kind, width,
-                        prev.tp_id if prev is not None else 0, pid):
-            pending = super().begin(batch, plan, kind, width, prev)
-        pending.tp_id = pid
-        return pending
+        return r.named_step("begin", batch, kind, width, prev,
+                            lambda: super(MirroredPhases, self).begin(batch, plan, kind, width,
+                                                                      prev))
 
     @torch.inference_mode()
     def complete(self, pending: Pending, grammars: list) -> Launched:
