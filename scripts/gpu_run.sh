@@ -15,10 +15,10 @@
 #   attn       the paged attention kernel's prefill launch-config sweep (attn_prefill.jsonl)
 #   decodeq    quantized full preset, published-size drafts at the published acceptance:
 #              AR, DFlash w6, adaptive (max 8) and DSpark, batch 1,4,16,64,128
-#   widths     fixed DFlash widths 2..8 at batch 1,16,64 (the best fixed width per batch), and
+#   widths     fixed DFlash widths 2-5, 7, 8 at batch 1,16,64 (6 runs in decodeq), and
 #              AR / adaptive at tau 1.5 (the low-acceptance goal)
 #   itl        streams' inter-token latency while a 32k prompt prefills (chunks 64, 128)
-#   prefixc    prefix cache: multi-turn batch 1 and 16 to 32k; agentic AR and DFlash
+#   prefixc    prefix cache: multi-turn batch 1 and 16 to 32k; agentic with DFlash
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"

@@ -12,7 +12,7 @@ import torch
 
 from blockspec.bench import accept_profile as ap
 from blockspec.bench.bench_args import add_arguments
-from blockspec.bench.engine_bench import run
+from blockspec.bench.engine_bench import build_engine, run
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
 
 
@@ -184,3 +184,12 @@ def test_accept_length_shorthand_runs_as_its_step_profile():
     hist = r["accept_histogram"]
     assert hist[0] == 0 and hist[3] == 0 and hist[1] > 0 and hist[2] > 0
     assert r["accept_rates"][0] == 1.0 and r["accept_rates"][2] == 0.0
+
+
+def test_every_bench_checks_the_simulation_flags_before_building():
+    """``build_engine`` (every bench's) refuses contradictory flags before it builds anything:
+    the namespace carries nothing else it could build from."""
+    ns = argparse.Namespace(simulate_accept_profile="dflash-published", simulate_accept_length=3.0,
+                            simulate_low_accept_phases=None, json_schema=None)
+    with pytest.raises(ValueError, match="contradict"):
+        build_engine(ns, 1)

@@ -81,7 +81,9 @@ def _memory_bytes() -> int:
 
 def build_engine(args: argparse.Namespace, max_bs: int, **engine_kw):
     """The engine under test: a folder, or a preset built on the device (+ a random draft);
-    ``engine_kw`` are further EngineArgs fields (the prefix cache's, for its bench)."""
+    ``engine_kw`` are further EngineArgs fields (the prefix cache's, for its bench). The
+    simulated-acceptance flags are checked before anything is built, and applied after."""
+    accept_profile.check_simulation_flags(*simulation_flags(args), getattr(args, "json_schema", None))
     cache = max_bs * (args.input_len + args.output_len + 64)
     common = dict(max_running_requests=max_bs, max_total_tokens=cache, **engine_kw,
                   cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph,
@@ -309,7 +311,6 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise ValueError("--breakdown splits a prefill: use it with --prefill")
     batches = args.batch_size if isinstance(args.batch_size, list) else [args.batch_size]
     flags = simulation_flags(args)
-    accept_profile.check_simulation_flags(*flags, args.json_schema)
     engine, label = build_engine(args, max(batches))
     # whole prefill chunks while requests decode too: a batch's decode time is its run less a
     # prefill-only run, which must prefill the prompts the same way
