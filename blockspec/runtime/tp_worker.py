@@ -34,6 +34,7 @@ import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import timedelta
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -122,9 +123,9 @@ class PlanChannel:
             data += rest.numpy().tobytes()
         return pickle.loads(data)
 
-    def fail(self, why: str) -> None:
+    def fail(self, why: str, cause: BaseException | None = None) -> None:
         self.broken = f"tensor parallelism: {why}"
-        raise TPError(self.broken)
+        raise TPError(self.broken) from cause
 
 
 def step_of(runner: ModelRunner, drafter: Drafter | None, kind: str) -> tuple:
@@ -160,6 +161,11 @@ def _restore(batch: StepBatch | None, flags: list[bool] | None,
     return replace(batch, grammars=rows)
 
 
+
+def _id_of(step: Launched | Pending | None) -> int:
+    """A step's name on the workers (0: none, a fresh batch)."""
+    return step.tp_id if step is not None else 0
+
 class MirroredRunner(ModelRunner):
     """Rank 0's runner: every call that runs the model or writes per-rank state is announced
     to the workers first (see the module docstring)."""
@@ -185,10 +191,9 @@ class MirroredRunner(ModelRunner):
         try:
             yield
         except Exception as e:
-            why = self.channel.check() or (f"rank 0 failed inside {call[0]!r} ({type(e).__name__}: "
-                                           f"{e}); the ranks are out of step")
-            self.channel.broken = f"tensor parallelism: {why}"
-            raise TPError(self.channel.broken) from e
+            self.channel.fail(self.channel.check() or (
+                f"rank 0 failed inside {call[0]!r} ({type(e).__name__}: {e}); the ranks are "
+                "out of step"), cause=e)
         finally:
             self._depth -= 1
 
@@ -236,18 +241,14 @@ class MirroredRunner(ModelRunner):
     def launch_step(self, batch: StepBatch | None, fn, kind: str, width: int,
                     prev: Launched | None = None) -> Launched:
         self._check_kind(kind, fn, 0)
-        return self.named_step("launch_step", batch, kind, width, prev,
-                               lambda: super(MirroredRunner, self).launch_step(
-                                   batch, fn, kind, width, prev))
+        return self.named_step(partial(super().launch_step, batch, fn, kind, width, prev),
+                               "launch_step", *_plain(batch), kind, width, _id_of(prev))
 
-    def named_step(self, what: str, batch: StepBatch | None, kind: str, width: int,
-                   prev: Launched | Pending | None, run):
-        """Announce a step (``what``: a launch or a constrained step's begin) under a new
-        id, run it, and give it that id: the workers name it so, and a later step launched
-        from it (``prev``) names it back."""
+    def named_step(self, run: Callable[[], Any], *call: Any) -> Any:
+        """Announce ``call`` with a new id at its end, run the step, and give it that id:
+        the workers name the step so, and a later step launched from it names it back."""
         sid = self.channel.next_id()
-        with self.mirrored(what, *_plain(batch), kind, width,
-                           prev.tp_id if prev is not None else 0, sid):
+        with self.mirrored(*call, sid):
             step = run()
         step.tp_id = sid
         return step
@@ -263,9 +264,8 @@ class MirroredPhases(PhasedSteps):
               prev: Launched | None = None) -> Pending:
         r = self.runner
         r._check_kind(kind, plan, 1)
-        return r.named_step("begin", batch, kind, width, prev,
-                            lambda: super(MirroredPhases, self).begin(batch, plan, kind, width,
-                                                                      prev))
+        return r.named_step(partial(super().begin, batch, plan, kind, width, prev),
+                            "begin", *_plain(batch), kind, width, _id_of(prev))
 
     @torch.inference_mode()
     def complete(self, pending: Pending, grammars: list) -> Launched:
@@ -273,11 +273,7 @@ class MirroredPhases(PhasedSteps):
         self.fill_masks(pending, grammars)
         n = max(pending.bs, pending.padded or 0)
         masks = r.inputs.mask_host[:n, :pending.plan.rows].numpy().copy()
-        sid = r.channel.next_id()
-        with r.mirrored("complete", pending.tp_id, masks, sid):
-            step = self.finish(pending)
-        step.tp_id = sid
-        return step
+        return r.named_step(partial(self.finish, pending), "complete", pending.tp_id, masks)
 
 
 class MirroredDrafter:
