@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from blockspec.engine.engine import Engine, GenerateError
+from blockspec.engine.engine import Engine, GenerateError, resolve_device
 from blockspec.engine.loop import LoopStats, StreamOutput
 from blockspec.sampling import SamplingParams
 
@@ -101,18 +101,18 @@ class DataParallelEngine:
         if dp_size > 1 and engine_kwargs.get("tp_size", 1) > 1:
             raise ValueError("--dp-size > 1 with --tp-size > 1 is not supported: the replicas "
                              "share this process, which holds one tensor-parallel group")
-        first = Engine(**engine_kwargs)
-        replicas = [first]
+        dev = resolve_device(engine_kwargs.get("device") or "auto")
+        base = dev.index or 0
+        if dev.type == "cuda" and base + dp_size > torch.cuda.device_count():
+            # refused before any replica loads a model
+            raise ValueError(f"--dp-size {dp_size} needs GPUs cuda:{base}..cuda:"
+                             f"{base + dp_size - 1}, but {torch.cuda.device_count()} are visible")
+        replicas: list[Engine] = []
         try:
-            dev = first.device
-            if dev.type == "cuda" and (dev.index or 0) + dp_size > torch.cuda.device_count():
-                raise ValueError(f"--dp-size {dp_size} needs GPUs cuda:{dev.index or 0}.."
-                                 f"cuda:{(dev.index or 0) + dp_size - 1}, but "
-                                 f"{torch.cuda.device_count()} are visible")
-            for i in range(1, dp_size):
+            for i in range(dp_size):
                 kw = dict(engine_kwargs)
                 if dev.type == "cuda":
-                    kw["device"] = f"cuda:{(dev.index or 0) + i}"
+                    kw["device"] = f"cuda:{base + i}"
                 replicas.append(Engine(**kw))
         except BaseException:
             for e in replicas:
