@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs recorded in docs/benchmarks.md. Usage: scripts/gpu_run.sh STAGE... (logs to $OUT)
-#   tests      every GPU-marked test (pytest -m gpu tests)
+#   tests      the GPU-marked tests (pytest -m gpu; GPU_TESTS=files to run a share)
 #   profile    lightning-mini step profiles (AR, DFlash, DSpark, verify alone, quantized AR)
 #   mini       lightning-mini benches: AR / DFlash / DSpark, bf16 and quantized, graphs vs eager
 #   ratio      lightning-mini batch 1, 512 tokens x 5 repeats: AR, DSpark, DFlash (#10's step ratios)
@@ -27,7 +27,11 @@ for stage in "$@"; do
 case "$stage" in
 tests)
   nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-  timeout 420 python3 -m pytest -m gpu tests -q -p no:cacheprovider \
+  # the GPU machine has no pydantic/fastapi: the server's test modules fail to collect there
+  # and are passed over. All ~380 GPU tests take longer than one call (144 ran in 7 minutes on
+  # 2026-12-03): GPU_TESTS="tests/test_a.py tests/test_b.py ..." runs a share per call
+  timeout 560 python3 -m pytest -m gpu ${GPU_TESTS:-tests} -q -p no:cacheprovider \
+      --continue-on-collection-errors \
       -o addopts="" -rf 2>&1 | tail -60 > "$OUT/gpu_tests.log"; tail -15 "$OUT/gpu_tests.log"
   ;;
 profile)

@@ -37,8 +37,9 @@ from blockspec.kernels import paged_attention as pa
 HQ, HKV, D, PAGE = 32, 2, 128, 16
 # 256-row tiles hold 16 queries of a 16-head GQA group: each K/V row read feeds four times
 # the math of today's 64-row tiles (at 64k context a prefill chunk streams K/V at HBM rates)
-GRID = {"block_m": (64, 128, 256), "block_n": (32, 64, 128), "num_warps": (4, 8),
-        "num_stages": (2, 3), "full_blocks": (False, True)}
+# the likeliest winners first (the last key varies fastest): a --budget-s cut drops the tail
+GRID = {"block_m": (128, 256, 64), "block_n": (64, 128, 32), "num_warps": (8, 4),
+        "num_stages": (3, 2), "full_blocks": (True, False)}
 SMOKE = dict(hq=4, hkv=2, d=16, chunks=(24,), contexts=(8, 40))
 
 
@@ -86,7 +87,9 @@ def flashinfer_run(x: dict, hq: int, hkv: int, d: int):
                  hq, hkv, d, PAGE, causal=True, sm_scale=d ** -0.5, q_data_type=q.dtype,
                  kv_data_type=x["k"].dtype)
     kv = (x["k"].view(-1, PAGE, hkv, d), x["v"].view(-1, PAGE, hkv, d))
-    return lambda: wrapper.run(q, kv)
+    run_it = lambda: wrapper.run(q, kv)  # noqa: E731
+    run_it.backend = getattr(wrapper, "_backend", "auto")
+    return run_it
 
 
 def causal_flops(chunk: int, context: int, hq: int, d: int) -> float:
@@ -105,6 +108,8 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes (the interpreter's check)")
     p.add_argument("--flashinfer", action="store_true",
                    help="also time flashinfer's paged prefill on each shape")
+    p.add_argument("--no-grid", action="store_true",
+                   help="time only the current PREFILL_CONFIG (and flashinfer with --flashinfer)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     hq, hkv, d = (SMOKE["hq"], SMOKE["hkv"], SMOKE["d"]) if args.smoke else (HQ, HKV, D)
@@ -114,6 +119,8 @@ def main() -> int:
     grid = [dict(zip(GRID, vals)) for vals in itertools.product(*GRID.values())]
     if args.smoke:
         grid = [c for c in grid if c["num_stages"] == 2 and c["num_warps"] == 4]
+    if args.no_grid:
+        grid = [{k: pa.PREFILL_CONFIG[k] for k in GRID}]
     end = time.monotonic() + args.budget_s
     records, base_cfg = [], dict(pa.PREFILL_CONFIG)
     with open(args.out, "a") as f:
@@ -146,12 +153,15 @@ def main() -> int:
                 rec = {"chunk": chunk, "context": context, "impl": "flashinfer"}
                 try:
                     fn = flashinfer_run(x, hq, hkv, d)
+                    rec["backend"] = fn.backend
                     err = float((fn().float() - want).abs().max()) / scale
                     ms = event_time_ms(fn, args.reps, device)
                     rec.update(status="ok" if err <= 2e-2 else "mismatch", err=err, ms=ms,
                                tflops=flops / (ms * 1e-3) / 1e12)
                 except Exception as e:    # not installed, or its JIT failed
                     rec.update(status="failed", error=f"{type(e).__name__}: {e}"[:300])
+                    print(f"flashinfer failed: {type(e).__name__}: {str(e)[-3000:]}",
+                          file=sys.stderr, flush=True)
                 print(json.dumps(rec), flush=True)
                 f.write(json.dumps(rec) + "\n")
                 f.flush()

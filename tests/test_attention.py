@@ -216,3 +216,20 @@ def test_forward_writes_new_rows_before_attending():
         slot = int(case.table[case.slots[0], pos // PAGE]) * PAGE + pos % PAGE
         assert torch.equal(case.k[slot], k_new[t]) and torch.equal(case.v[slot], v_new[t])
     torch.testing.assert_close(out.double(), expected(case, 0.25, True, None, None), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_launch_config_follows_the_dtype():
+    """Prefill-sized requests take the tuned 16-bit tiles, fp32 ones tiles whose pipelined
+    K/V blocks and query tile fit an H200's 227 KB of shared memory (the 256-row tiles need
+    384 KB at fp32); decode-sized ones keep pick_block_m's tile."""
+    from blockspec.kernels import paged_attention as tp
+
+    assert tp.launch_config(tp.PREFILL_ROWS) == tp.PREFILL_CONFIG
+    assert tp.launch_config(tp.PREFILL_ROWS, torch.float16) == tp.PREFILL_CONFIG
+    fp32 = tp.launch_config(4 * tp.PREFILL_ROWS, torch.float32)
+    assert fp32 == tp.PREFILL_CONFIG_FP32 and fp32["full_blocks"]
+    d = 128
+    smem = 4 * d * (fp32["block_m"] + 2 * fp32["block_n"] * fp32["num_stages"])
+    assert smem <= 227 * 1024, smem
+    small = tp.launch_config(16 * 4, torch.float32)
+    assert small["block_m"] == tp.pick_block_m(64) and small["num_warps"] is None

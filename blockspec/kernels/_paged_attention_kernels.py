@@ -5,6 +5,9 @@ import triton.language as tl
 
 # Reductions go through tl.reduce with tl.standard's max and sum combines (see triton_loader):
 # the same code as local ones when compiled, and the interpreter reduces them with numpy.
+# Scores are kept in base 2: the launcher passes scale x log2(e), so each score costs one
+# multiply and one ex2 (tl.exp would add a second multiply); the running max m, the split
+# partials and the sinks (times log2(e) on load) are all base-2 logits.
 
 
 @triton.jit
@@ -45,8 +48,8 @@ def _key_block(q, K, V, BT, slot, s_bt, s_kn, s_kh, h, d, dmask, kp, kmask, qpos
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -131,10 +134,10 @@ def _attn_kernel(Q, K, V, O, PM, PL, PO, BT, SLOTS, SEQ, QST, TILE_REQ, TILE_R0,
                                        PAGE, CAUSAL, WINDOWED, IEEE)
     if SPLITS == 1:
         if HAS_SINK:
-            sink = tl.load(SINK + head, mask=row_ok, other=0.0)
+            sink = tl.load(SINK + head, mask=row_ok, other=0.0) * 1.4426950408889634
             m_f = tl.maximum(m_i, sink)
-            scale_old = tl.exp(m_i - m_f)
-            l_i = l_i * scale_old + tl.exp(sink - m_f)
+            scale_old = tl.exp2(m_i - m_f)
+            l_i = l_i * scale_old + tl.exp2(sink - m_f)
             acc = acc * scale_old[:, None]
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         optr = O + (qs + t)[:, None].to(tl.int64) * s_on + head[:, None] * s_oh + d[None, :]
@@ -175,18 +178,18 @@ def _merge_kernel(O, PM, PL, PO, QST, TILE_REQ, TILE_R0, SINK, s_on, s_oh,
     for s in tl.static_range(SPLITS):
         m_all = tl.maximum(m_all, tl.load(PM + first + s * BLOCK_M))
     if HAS_SINK:
-        sink = tl.load(SINK + head, mask=row_ok, other=0.0)
+        sink = tl.load(SINK + head, mask=row_ok, other=0.0) * 1.4426950408889634
         m_all = tl.maximum(m_all, sink)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_tot = tl.full([MERGE_M], 0.0, tl.float32)
     acc = tl.full([MERGE_M, MERGE_D], 0.0, tl.float32)
     for s in tl.static_range(SPLITS):
         rows = first + s * BLOCK_M
-        w = tl.exp(tl.load(PM + rows) - m_safe)
+        w = tl.exp2(tl.load(PM + rows) - m_safe)
         l_tot += tl.load(PL + rows) * w
         acc += tl.load(PO + rows[:, None].to(tl.int64) * BLOCK_D + d[None, :]) * w[:, None]
     if HAS_SINK:
-        l_tot += tl.exp(sink - m_safe)
+        l_tot += tl.exp2(sink - m_safe)
     out = acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
     optr = O + (qs + t)[:, None].to(tl.int64) * s_on + head[:, None] * s_oh + d[None, :]
     tl.store(optr, out.to(O.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])

@@ -14,11 +14,17 @@ from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow
 
 _KERNELS = Path(__file__).with_name("_ssd_scan_kernels.py")
 # the dots' operand precision: "ieee" (fp32 on the CUDA cores), "tf32x3" (three tf32
-# tensor-core passes) or "tf32". On an H200 at Lightning's shapes (2048 tokens) tf32x3 runs
-# the scan in 0.43 ms against 5.5 ms for ieee, with the same error against the fp32 reference
-# (7e-7 of max |y|); tf32 alone takes 0.25 ms but errs by 4e-4 (scripts/bench_ssd_scan.py).
+# tensor-core passes) or "tf32". On an H200 at Lightning's shapes (8,192 tokens) ieee takes
+# 20.0 ms, tf32x3 1.34 ms and tf32 0.71 ms; against the fp32 reference tf32x3 errs by 9e-7 of
+# max |y|, tf32 by 6e-4 (scripts/bench_ssd_scan.py). The default follows x's dtype: fp32
+# models get tf32x3 (as exact as ieee), 16-bit ones tf32, whose error is a fraction of the
+# rounding their layer output gets (bf16 keeps 8 bits: 4e-3).
 PRECISIONS = ("ieee", "tf32x3", "tf32")
-_PRECISION = "tf32x3"
+
+
+def default_precision(dtype: torch.dtype) -> str:
+    """The dot precision for inputs of ``dtype``: tf32x3 for fp32, tf32 for 16-bit floats."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -29,7 +35,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     innermost dims of x, B, C may be views into a wider row). Returns y [Bt,T,H,P] fp32
     (without the D skip), the final state [Bt,H,P,N] fp32 and, with ``return_chunk_states``,
     the state after every chunk [Bt, ceil(T/chunk), H, P, N] (the last is the final state),
-    as ``ssd_chunked_scan``. ``precision``: one of ``PRECISIONS`` (default ``_PRECISION``)."""
+    as ``ssd_chunked_scan``. ``precision``: one of ``PRECISIONS`` (default ``default_precision(x.dtype)``)."""
     Bt, T, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     if (dt.shape != (Bt, T, H) or A.shape != (H,) or B.shape != (Bt, T, G, N)
@@ -38,7 +44,7 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         raise ValueError(f"ssd_scan: shapes x {tuple(x.shape)}, dt {tuple(dt.shape)}, "
                          f"A {tuple(A.shape)}, B {tuple(B.shape)}, C {tuple(C.shape)}, "
                          f"state {tuple(state.shape)}, chunk {chunk} do not fit together")
-    precision = precision or _PRECISION
+    precision = precision or default_precision(x.dtype)
     if precision not in PRECISIONS:
         raise ValueError(f"ssd_scan: precision must be one of {PRECISIONS}, got {precision!r}")
     dev = x.device
