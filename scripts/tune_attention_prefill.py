@@ -72,7 +72,8 @@ def run(x: dict, group: int, cfg: dict) -> torch.Tensor:
 
 
 def flashinfer_run(x: dict, hq: int, hkv: int, d: int):
-    """A callable running flashinfer's paged causal prefill over ``x`` (planned once)."""
+    """(a callable running flashinfer's paged causal prefill over ``x``, planned once; the
+    backend flashinfer chose)."""
     import flashinfer  # lazy: optional, GPU only
 
     q, dev = x["q"], x["q"].device
@@ -87,9 +88,7 @@ def flashinfer_run(x: dict, hq: int, hkv: int, d: int):
                  hq, hkv, d, PAGE, causal=True, sm_scale=d ** -0.5, q_data_type=q.dtype,
                  kv_data_type=x["k"].dtype)
     kv = (x["k"].view(-1, PAGE, hkv, d), x["v"].view(-1, PAGE, hkv, d))
-    run_it = lambda: wrapper.run(q, kv)  # noqa: E731
-    run_it.backend = getattr(wrapper, "_backend", "auto")
-    return run_it
+    return (lambda: wrapper.run(q, kv)), getattr(wrapper, "_backend", "auto")
 
 
 def causal_flops(chunk: int, context: int, hq: int, d: int) -> float:
@@ -152,8 +151,7 @@ def main() -> int:
             if args.flashinfer:
                 rec = {"chunk": chunk, "context": context, "impl": "flashinfer"}
                 try:
-                    fn = flashinfer_run(x, hq, hkv, d)
-                    rec["backend"] = fn.backend
+                    fn, rec["backend"] = flashinfer_run(x, hq, hkv, d)
                     err = float((fn().float() - want).abs().max()) / scale
                     ms = event_time_ms(fn, args.reps, device)
                     rec.update(status="ok" if err <= 2e-2 else "mismatch", err=err, ms=ms,

@@ -7,7 +7,7 @@ import triton.language as tl
 # the same code as local ones when compiled, and the interpreter reduces them with numpy.
 # Scores are kept in base 2: the launcher passes scale x log2(e), so each score costs one
 # multiply and one ex2 (tl.exp would add a second multiply); the running max m, the split
-# partials and the sinks (times log2(e) on load) are all base-2 logits.
+# partials and the sinks (scaled by the launcher too) are all base-2 logits.
 
 
 @triton.jit
@@ -134,7 +134,7 @@ def _attn_kernel(Q, K, V, O, PM, PL, PO, BT, SLOTS, SEQ, QST, TILE_REQ, TILE_R0,
                                        PAGE, CAUSAL, WINDOWED, IEEE)
     if SPLITS == 1:
         if HAS_SINK:
-            sink = tl.load(SINK + head, mask=row_ok, other=0.0) * 1.4426950408889634
+            sink = tl.load(SINK + head, mask=row_ok, other=0.0)
             m_f = tl.maximum(m_i, sink)
             scale_old = tl.exp2(m_i - m_f)
             l_i = l_i * scale_old + tl.exp2(sink - m_f)
@@ -178,7 +178,7 @@ def _merge_kernel(O, PM, PL, PO, QST, TILE_REQ, TILE_R0, SINK, s_on, s_oh,
     for s in tl.static_range(SPLITS):
         m_all = tl.maximum(m_all, tl.load(PM + first + s * BLOCK_M))
     if HAS_SINK:
-        sink = tl.load(SINK + head, mask=row_ok, other=0.0) * 1.4426950408889634
+        sink = tl.load(SINK + head, mask=row_ok, other=0.0)
         m_all = tl.maximum(m_all, sink)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_tot = tl.full([MERGE_M], 0.0, tl.float32)

@@ -45,7 +45,7 @@ def pick_block_m(rows_per_request: int) -> int:
     return m
 
 
-def launch_config(rows_per_request: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+def launch_config(rows_per_request: int, dtype: torch.dtype) -> dict:
     """Tile height, key block, warps and stages for requests of ``rows_per_request`` (query,
     head) rows per KV head: ``PREFILL_CONFIG`` (``PREFILL_CONFIG_FP32`` for 32-bit inputs)
     from ``PREFILL_ROWS`` rows on, else ``pick_block_m``'s tile with the built-in key block
@@ -112,7 +112,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"paged_attention: block_n must be a power of two >= 16, got {block_n}")
     static_iters = -(-int(seq_lens.max()) // block_n) + 1 if interpret else 0
     ieee = q.dtype == torch.float32
-    sink_t = sink.float().contiguous() if sink is not None else q.new_zeros(1, dtype=torch.float32)
+    sink_t = (sink.float() * _LOG2E).contiguous() if sink is not None else q.new_zeros(
+        1, dtype=torch.float32)
     if splits > 1:
         rows = tiles * hkv * splits * block_m
         pm = torch.empty(rows, dtype=torch.float32, device=q.device)

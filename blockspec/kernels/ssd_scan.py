@@ -35,7 +35,8 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     innermost dims of x, B, C may be views into a wider row). Returns y [Bt,T,H,P] fp32
     (without the D skip), the final state [Bt,H,P,N] fp32 and, with ``return_chunk_states``,
     the state after every chunk [Bt, ceil(T/chunk), H, P, N] (the last is the final state),
-    as ``ssd_chunked_scan``. ``precision``: one of ``PRECISIONS`` (default ``default_precision(x.dtype)``)."""
+    as ``ssd_chunked_scan``. ``precision``: one of ``PRECISIONS`` (default
+    ``default_precision(x.dtype)``)."""
     Bt, T, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     if (dt.shape != (Bt, T, H) or A.shape != (H,) or B.shape != (Bt, T, G, N)
