@@ -12,8 +12,9 @@ the shared expert's up (3712x2688, relu^2) and down (2688x3712) (``w4a16_linear`
 check that it is unchanged). For each: ``launcher`` (what the launcher now picks),
 ``legacy`` (the decode-era built-in tile at this M), the sweep's candidates (staged: tiles x
 swap first, then stages / K block / grid order / warps around each shape's best), and the
-torch alternatives (dequantize the weights to bf16, then ``torch._grouped_mm`` or
-``torch.matmul``; the GEMM alone is timed too). Every point is checked once against the torch
+dequantized path (``dequant``: the Triton dequant into a bf16 copy, then
+``torch._grouped_mm`` or ``torch.matmul``, a ``PREFILL_TABLE`` candidate like any tile) and the
+bf16 GEMM alone on weights dequantized beforehand. Every point is checked once against the torch
 reference (rel err <= 1e-2), then timed with CUDA events: median of ``--reps`` after warm-up.
 ``x_perm`` points include the copy of x into stream order, except for routed up, whose x the
 MoE gathers in that order anyway (``x_ordered``).
@@ -59,6 +60,7 @@ SMOKE_SHAPES = {"routed_up": ("grouped", 64, 128, True), "routed_down": ("groupe
 SMOKE_LM_HEAD = ("dense", 128, 64, False)
 TILES = ((128, 128, 8), (128, 256, 8), (64, 256, 8), (64, 128, 4), (128, 128, 4), (64, 128, 8))
 TOL = 1e-2
+DEQUANT = {"dequant": True}  # the config of the dequantize-then-cuBLAS points
 POINT_TIMEOUT_S = 60.0  # one point (its compile included) running longer is hung
 PHASE_ENDS = (0.4, 0.7, 0.82, 1.0)  # fractions of --budget-s: compile 0, measure 0, 1, 1
 
@@ -126,12 +128,13 @@ def rel_err(a, b) -> float:
 
 
 def best_of(records: list[dict], shape: str, tokens: int | None = None,
-            block_m: int | None = None, methods: tuple = ("w4a16", "legacy")) -> dict | None:
+            block_m: int | None = None,
+            methods: tuple = ("w4a16", "legacy", "dequant+gemm")) -> dict | None:
     """Fastest passing record of ``shape`` among ``methods`` (at ``tokens``; by the sum over
     token counts when None), optionally at one ``block_m``."""
     ok = [r for r in records if r["shape"] == shape and r["status"] == "ok"
           and r["method"] in methods
-          and (block_m is None or (r["config"] or {}).get("block_m") == block_m)]
+          and (block_m is None or (r["config"] or {}).get("block_m", block_m) == block_m)]
     if tokens is not None:
         ok = [r for r in ok if r["tokens"] == tokens]
         return min(ok, key=lambda r: r["ms"], default=None)
@@ -217,7 +220,7 @@ class Problem:
         x, offsets = self.setup(tokens)
         relu = (lambda y: torch.square(torch.relu(y))) if self.relu2 else (lambda y: y)
         if method in ("w4a16", "legacy"):
-            kw = {k: v for k, v in cfg.items() if k != "block_m"}
+            kw = {k: v for k, v in cfg.items() if k != "block_m"} | {"dequant": False}
             if self.kind == "grouped":
                 blocks = tw.grouped_blocks(offsets, x.shape[0], block_m=cfg["block_m"])
                 xo = x
@@ -238,17 +241,19 @@ class Problem:
                                                 blocks=blocks, relu2=self.relu2,
                                                 x_ordered=chunk)
             return lambda: tw.w4a16_linear(x, self.w, self.s, self.s2, relu2=self.relu2)
+        if method == "dequant+gemm":  # the launchers' dequant path: Triton dequant, then cuBLAS
+            if self.kind == "grouped":
+                return lambda: tw.grouped_w4a16(x, offsets, self.w, self.s, self.s2,
+                                                relu2=self.relu2, dequant=True)
+            return lambda: tw.w4a16_linear(x, self.w, self.s, self.s2, relu2=self.relu2,
+                                           dequant=True)
         wb = self.wbf16()
-        s2 = self.s2.view(-1, 1, 1) if self.kind == "grouped" else self.s2
         if self.kind == "grouped":
             offs = offsets[1:].to(torch.int32)
             gemm = lambda: relu(torch._grouped_mm(x, wb.transpose(-2, -1), offs=offs))
         else:
             gemm = lambda: relu(torch.matmul(x, wb.t()))
-        if method == "bf16_gemm":  # the GEMM alone, weights already bf16 (2x+ the memory)
-            return gemm
-        # dequant+gemm: the same bytes dequantized every call (as the checkpoint's layout)
-        return lambda: (dequantize_nvfp4(self.w, self.s, s2, dtype=torch.bfloat16), gemm())[1]
+        return gemm  # bf16_gemm: the GEMM alone, weights already bf16 (2x+ the memory)
 
     def legacy_config(self, tokens: int) -> dict:
         """The decode-era built-in tile at this M (what the launcher chose before prefill)."""
@@ -304,10 +309,11 @@ def plan(args, records: list[dict]) -> list[tuple[str, str, dict | None, int]]:
     tokens = args.tokens or ([128] if args.smoke else [2048, 4096, 8192])
     points: list[tuple[str, str, dict | None, int]] = []
     if args.stage == 0:
-        points += [("lm_head", "launcher", None, 1), ("lm_head", "dequant+gemm", None, 1)]
+        points += [("lm_head", "launcher", None, 1), ("lm_head", "dequant+gemm", DEQUANT, 1)]
         for name in shapes:
             for t in tokens:
-                points += [(name, m, None, t) for m in ("launcher", "dequant+gemm", "bf16_gemm")]
+                points += [(name, "launcher", None, t), (name, "dequant+gemm", DEQUANT, t),
+                           (name, "bf16_gemm", None, t)]
                 points.append((name, "legacy", "legacy", t))
     per_shape = []
     for name, (kind, _n, k, _r) in shapes.items():
@@ -400,7 +406,7 @@ def table_entries(records: list[dict]) -> list[str]:
         bm = None
         if shape == "routed_down":
             up = best_of(records, "routed_up", tokens)
-            bm = up and up["config"] and up["config"].get("block_m")
+            bm = up and up["config"] and up["config"].get("block_m", 128)
         best = best_of(records, shape, tokens, bm) or best_of(records, shape, tokens)
         if best is None or best["config"] is None:
             continue

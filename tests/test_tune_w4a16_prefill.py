@@ -82,3 +82,21 @@ def test_measure_validates_and_records_failures(monkeypatch):
     assert rec["rows"] == 256 and rec["tflops"] > 0
     bad = tune.measure(p, "w4a16", {**cfg, "block_n": 96}, 128, reps=1)  # the kernel refuses
     assert bad["status"] == "failed" and "block_n" in bad["error"] and bad["ms"] is None
+
+
+def test_a_winning_dequant_point_becomes_a_table_entry():
+    records = [_rec("shared_down", 8192, 0.9),
+               {**_rec("shared_down", 8192, 0.5), "method": "dequant+gemm",
+                "config": dict(tune.DEQUANT)}]
+    line = next(line for line in tune.table_entries(records) if "dense" in line)
+    assert "{'dequant': True}" in line and "0.500 ms" in line
+    assert wp.check_prefill_config(tune.DEQUANT) == tune.DEQUANT
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton not importable")
+def test_dequant_point_is_measured_and_checked(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    p = tune.Problem("routed_down", *tune.SMOKE_SHAPES["routed_down"], 4, torch.device("cpu"),
+                     True)
+    rec = tune.measure(p, "dequant+gemm", tune.DEQUANT, 128, reps=1)
+    assert rec["status"] == "ok" and rec["err"] <= tune.TOL and rec["ms"] > 0

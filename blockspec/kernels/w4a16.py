@@ -18,14 +18,12 @@ SASS instructions per weight, against 3.8 with the checkpoint's nibbles;
 ``W @ x^T`` so wgmma reads x from shared memory (``v2_default_config``). Small N (experts:
 N = 1856 or 2688) is split along K so that enough programs cover the GPU.
 
-Variants (``variant=`` or ``BLOCKSPEC_W4A16_VARIANT``; ``default_variant()`` is ``v2``): ``v2``
-as above, ``v2w`` always swapped (wgmma), ``v2t`` the same bits built by Triton ops instead of
-PTX (comparisons).
-
-At decode a call moves only a few MB, so its time is set by the launch config, not by
-bandwidth: v2 takes the tile, split-K, warps and stages of the call's problem class from the
-tuned table (``w4a16_tuned.py``) where it has an entry, else the built-in defaults; explicit
-keyword arguments override both.
+Variants (``variant=`` or ``BLOCKSPEC_W4A16_VARIANT``; default ``v2``): ``v2`` as above, ``v2w``
+always swapped (wgmma), ``v2t`` the decode by Triton ops instead of PTX (comparisons). At
+decode a call's time is set by its launch config: v2 takes the tile, split-K, warps and stages
+of the call's problem class from the tuned table (``w4a16_tuned.py``), else the built-ins;
+explicit keywords override both. Prefill sizes take ``w4a16_prefill``'s table, which may send
+a shape to cuBLAS on a dequantized copy (``nvfp4_dequant.py``).
 
 Triton is imported only when a kernel is launched (``triton_loader.load_kernels``). Under
 ``TRITON_INTERPRET=1`` (CPU tensors) every variant runs the same kernel with the decode in fp32
@@ -39,11 +37,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from blockspec.kernels.nvfp4_dequant import dequant_gemm_ok, dequant_grouped, dequant_linear
 from blockspec.kernels.triton_loader import interpreting, load_kernels, sm_count
-from blockspec.kernels.w4a16_blocks import (  # noqa: F401 (grouped_blocks: the MoE's import)
-    expert_blocks,
-    grouped_blocks,
-)
+from blockspec.kernels.w4a16_blocks import expert_blocks, grouped_blocks  # noqa: F401 (MoE's)
 from blockspec.kernels.w4a16_layout import from_kernel_layout
 from blockspec.kernels.w4a16_prefill import is_dense_prefill, is_grouped_prefill, prefill_config
 from blockspec.kernels.w4a16_tuned import check_v2_tile, tuned_config
@@ -62,9 +58,8 @@ def v2_kernel():
 
 def _pick_split_k(programs: int, k: int, block_k: int, sms: int, waves: float = 2.0) -> int:
     """Split K until ~``waves`` waves of programs cover the ``sms`` SMs (small-N expert shapes
-    need it).  v2 asks for 1.5: each split adds a partial-sum round trip (best on an H200
-    sweep).  Takes the SM count rather than a device so the decode sweep can plan splits
-    without one."""
+    need it; v2 asks for 1.5, best on an H200 sweep). Takes the SM count, not a device, so the
+    decode sweep can plan splits without one."""
     k_blocks = -(-k // block_k)
     target = waves * sms
     split = 1
@@ -73,10 +68,9 @@ def _pick_split_k(programs: int, k: int, block_k: int, sms: int, waves: float = 
     return split
 
 
-# Tile-counter buffers of the in-kernel split-K reduction, per (device, stream): every CTA that
-# finishes a tile bumps its counter and the last one resets it, so they stay zero between
-# launches; one buffer per stream keeps concurrent streams from sharing counters.  Allocate
-# them (run once) before capturing a CUDA graph, like the row-block tables.
+# Tile counters of the in-kernel split-K reduction, per (device, stream): the last CTA of a tile
+# resets its counter, so they stay zero between launches; one buffer per stream keeps
+# concurrent streams apart. Allocate them (run once) before capturing a CUDA graph.
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -282,9 +276,11 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                  k_slices: int | None = None, split_k: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
                  maxnreg: int | None = None, relu2: bool = False, swap: bool | None = None,
-                 n_inner: bool | None = None, x_perm: bool | None = None) -> torch.Tensor:
+                 n_inner: bool | None = None, x_perm: bool | None = None,
+                 dequant: bool | None = None) -> torch.Tensor:
     """``x[..., K] @ dequant(W)^T (+ bias)`` -> ``[..., N]`` in x's dtype, via the Triton kernel
-    (``weight`` in the kernel layout).
+    (``weight`` in the kernel layout), or where the prefill table says ``dequant`` (or
+    ``dequant=True``) cuBLAS on a dequantized copy (``nvfp4_dequant.dequant_linear``).
 
     ``variant``: one of ``VARIANTS`` (default: ``default_variant()``); the other keywords
     override the tile configuration (``maxnreg``: a register cap per thread). ``relu2``:
@@ -312,9 +308,13 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     pre = prefill_config("dense", n, k, m) if is_dense_prefill(m, n, k) else {}
     pre_m = pre.pop("block_m", None)
     block_m = block_m or pre_m or _builtin_v2_config(n, k, m)["block_m"]
-    y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype,
-                   variant, k_slices=k_slices, maxnreg=maxnreg, relu2=relu2, prefill=pre,
-                   swap=swap, n_inner=n_inner, x_perm=x_perm, **cfg)
+    table_says = pre.pop("dequant", False)
+    if (table_says if dequant is None else dequant) and dequant_gemm_ok(x2):
+        y = dequant_linear(x2, w, s, ws2, relu2)
+    else:
+        y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype, variant,
+                       k_slices=k_slices, maxnreg=maxnreg, relu2=relu2, prefill=pre, swap=swap,
+                       n_inner=n_inner, x_perm=x_perm, **cfg)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, n)
@@ -338,7 +338,7 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
                   num_stages: int | None = None, maxnreg: int | None = None,
                   relu2: bool = False, swap: bool | None = None,
                   n_inner: bool | None = None, x_perm: bool | None = None,
-                  x_ordered: int = 0) -> torch.Tensor:
+                  x_ordered: int = 0, dequant: bool | None = None) -> torch.Tensor:
     """MoE: ``x[T, K]`` sorted by expert; rows ``offsets[e]:offsets[e+1]`` use expert e.
 
     ``weight`` [E, N, K/2] uint8, ``weight_scale`` [E, N, K/16] E4M3, ``weight_scale_2`` [E]
@@ -350,6 +350,7 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
     ``GROUPED_PREFILL_ROWS_PER_EXPERT`` rows per expert on the unnamed ones come from
     ``prefill_config`` (whose ``block_m`` ``grouped_blocks`` takes). ``x_ordered``: x is
     already in the kernel's stream order for K blocks of that size (``grouped_x_chunk``).
+    ``dequant`` (None: the prefill table's say): ``nvfp4_dequant.dequant_grouped`` instead.
     """
     n, k = _check(x, weight, weight_scale)
     if weight.dim() != 3:
@@ -369,6 +370,11 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
     pre = prefill_config("grouped", n, k, t) if is_grouped_prefill(t, experts) else {}
     pre.pop("block_m", None)  # the row blocks' own
     ws2 = weight_scale_2.reshape(e).to(torch.float32)
+    table_says = pre.pop("dequant", False)
+    if (table_says if dequant is None else dequant) and dequant_gemm_ok(x2):
+        if x_ordered:
+            raise ValueError("grouped_w4a16: dequant takes x in its natural K order")
+        return dequant_grouped(x2, expert_offsets, weight, weight_scale, ws2, relu2)
     cfg = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": num_warps,
            "num_stages": num_stages}
     w, s = weight.contiguous(), weight_scale.contiguous()

@@ -10,7 +10,8 @@ a row block's N tiles next to each other, so an expert's rows are read from L2 o
 than once per N tile (the routed x of a 2048-token chunk is larger than the L2); ``x_perm``
 copies x with each K chunk in the decode's stream order, so the kernel loads x tiles straight
 into shared memory instead of unpacking 64-bit words in registers (K a multiple of
-``block_k``; else ignored).
+``block_k``; else ignored). ``dequant`` leaves the kernel for cuBLAS on a dequantized copy of
+the weights (``nvfp4_dequant.py``), where that measured faster (the tile keys then unused).
 
 ``PREFILL_TABLE`` is keyed by ``(kind, N, K, m_bucket)``: kind ``"dense"`` (``w4a16_linear``,
 M = rows of x) or ``"grouped"`` (``grouped_w4a16``, M = (token, expert) rows of all experts),
@@ -30,7 +31,7 @@ WIDE_N = 8192  # dense N from which the decode-era built-ins stay unless the tab
 # Lower edges of the M buckets (a call's bucket is the largest edge <= M; smaller M -> first).
 M_EDGES = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 PREFILL_KEYS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "swap", "n_inner",
-                "x_perm")
+                "x_perm", "dequant")
 
 DEFAULT_PREFILL = {
     "dense": {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8,
@@ -49,17 +50,17 @@ _D256 = {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_st
 PREFILL_TABLE: dict[tuple[str, int, int, int], dict] = {
     ("grouped", 2688, 1856, 8192): {**_G128, "num_warps": 8, "num_stages": 3, "x_perm": True},
     ("grouped", 2688, 1856, 32768): {**_G128, "num_warps": 4, "num_stages": 3, "x_perm": False},
-    ("grouped", 2688, 1856, 65536): {**_G128, "num_warps": 4, "num_stages": 4, "x_perm": False},
     ("grouped", 1856, 2688, 8192): _G256,
     ("grouped", 1856, 2688, 32768): _G256,
     ("grouped", 1856, 2688, 65536): _G256,
+    ("grouped", 2688, 1856, 65536): {"dequant": True},
     ("dense", 2688, 3712, 2048): {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8,
                                   "num_stages": 3, "swap": True, "n_inner": False, "x_perm": False},
-    ("dense", 2688, 3712, 8192): {**_D256, "swap": False, "n_inner": True, "x_perm": False},
-    ("dense", 2688, 3712, 16384): {**_D256, "swap": True, "n_inner": False, "x_perm": False},
+    ("dense", 2688, 3712, 8192): {"dequant": True},
+    ("dense", 2688, 3712, 16384): {"dequant": True},
     ("dense", 3712, 2688, 2048): {**_D256, "swap": False, "n_inner": False, "x_perm": False},
-    ("dense", 3712, 2688, 8192): {**_D256, "swap": False, "n_inner": True, "x_perm": False},
-    ("dense", 3712, 2688, 16384): {**_D256, "swap": False, "n_inner": True, "x_perm": False},
+    ("dense", 3712, 2688, 8192): {"dequant": True},
+    ("dense", 3712, 2688, 16384): {"dequant": True},
 }
 
 
@@ -103,6 +104,8 @@ def check_prefill_config(cfg: dict) -> dict:
         raise ValueError(f"prefill config: block_k >= 64, block_n >= 16, block_m >= 16 ({cfg})")
     if cfg.get("swap") and cfg.get("block_n", 64) % 64:
         raise ValueError(f"prefill config: swap (wgmma) needs block_n a multiple of 64 ({cfg})")
+    if cfg.get("dequant") and cfg.get("x_perm"):
+        raise ValueError(f"prefill config: dequant reads x in its own K order, not x_perm ({cfg})")
     return dict(cfg)
 
 
