@@ -106,3 +106,14 @@ def test_dequant_and_x_perm_do_not_mix():
     with pytest.raises(ValueError, match="dequant"):
         wp.check_prefill_config({"dequant": True, "x_perm": True})
     assert wp.check_prefill_config({"dequant": True}) == {"dequant": True}
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_every_tile_gives_the_same_bits(mode):
+    """The tile keywords (``scripts/bench_nvfp4_dequant.py`` sweeps them) change nothing but
+    speed, ragged edges included."""
+    w, s, s2 = _random_packed(2, 50, 208, seed=5, device=mode)
+    want = nd.nvfp4_dequant_reference(w, s, s2).view(torch.int16)
+    for block_n, block_w in ((16, 32), (64, 128)):
+        got = nd.nvfp4_dequant(w, s, s2, block_n=block_n, block_w=block_w)
+        assert torch.equal(got.view(torch.int16), want)

@@ -26,7 +26,7 @@ from blockspec.kernels.w4a16_layout import from_kernel_layout
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4
 
 _KERNELS = Path(__file__).with_name("_nvfp4_dequant_kernels.py")
-BLOCK_N, BLOCK_W = 32, 64  # rows x uint16 words (4 weights each) per program
+BLOCK_N, BLOCK_W, NUM_WARPS = 32, 64, 4  # rows x uint16 words (4 weights each) per program
 
 
 def _check(weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -56,10 +56,12 @@ def nvfp4_dequant_reference(weight: torch.Tensor, weight_scale: torch.Tensor,
 
 
 def nvfp4_dequant(weight: torch.Tensor, weight_scale: torch.Tensor,
-                  weight_scale_2: torch.Tensor,
-                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                  weight_scale_2: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *,
+                  block_n: int = BLOCK_N, block_w: int = BLOCK_W,
+                  num_warps: int = NUM_WARPS) -> torch.Tensor:
     """Kernel-layout packed ``[E, N, K/2]`` (or ``[N, K/2]``) with E4M3 scales ``[.., K/16]``
-    and one global scale per expert -> ``[E, N, K]`` (or ``[N, K]``) in ``dtype``."""
+    and one global scale per expert -> ``[E, N, K]`` (or ``[N, K]``) in ``dtype``. The tile
+    keywords are for ``scripts/bench_nvfp4_dequant.py``."""
     e, n, k = _check(weight, weight_scale, weight_scale_2)
     w3 = weight if weight.dim() == 3 else weight.unsqueeze(0)
     s3 = (weight_scale if weight_scale.dim() == 3 else weight_scale.unsqueeze(0))
@@ -71,11 +73,11 @@ def nvfp4_dequant(weight: torch.Tensor, weight_scale: torch.Tensor,
     out = torch.empty((e, n, k), dtype=out_dtype, device=weight.device)
     if out.numel():
         words = k // 4
-        grid = (-(-n // BLOCK_N), -(-words // BLOCK_W), e)
+        grid = (-(-n // block_n), -(-words // block_w), e)
         load_kernels(_KERNELS)._nvfp4_dequant_kernel[grid](
             w3, s3, s2, out, n, words, w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1),
-            out.stride(0), out.stride(1), BLOCK_N=BLOCK_N, BLOCK_W=BLOCK_W,
-            **({} if interpreting() else {"num_warps": 4}))
+            out.stride(0), out.stride(1), BLOCK_N=block_n, BLOCK_W=block_w,
+            **({} if interpreting() else {"num_warps": num_warps}))
     out = out if out.dtype == dtype else out.to(dtype)
     return out if weight.dim() == 3 else out[0]
 

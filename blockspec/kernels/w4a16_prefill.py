@@ -41,8 +41,8 @@ DEFAULT_PREFILL = {
 }
 
 # (kind, N, K, m_bucket) -> config: Lightning's shapes (routed up/down, shared expert up/down),
-# the sweep's "TABLE" lines from one H200 (scripts/tune_w4a16_prefill.py --tokens 2048 8192,
-# then --tokens 8192 16384; M = prompt tokens, grouped rows = 6 x tokens).
+# from the sweep on one H200 (scripts/tune_w4a16_prefill.py --tokens 2048 8192, then 8192 16384,
+# then 16384 32768 with the dequant candidate; M = prompt tokens, grouped rows = 6 x tokens).
 _G128 = {"block_m": 128, "block_n": 128, "block_k": 64, "swap": True, "n_inner": True}
 _G256 = {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3,
          "swap": True, "n_inner": True, "x_perm": True}
