@@ -158,7 +158,7 @@ class EngineArgs:
     max_running_requests: int = arg(16, "most requests decoded together")
     max_total_tokens: int | None = arg(None, "cache capacity in tokens over all running requests "
                                              "(prompt + max_new_tokens each); default: 32768")
-    chunked_prefill_size: int = arg(16384, "most prompt tokens per prefill forward")
+    chunked_prefill_size: int = arg(32768, "most prompt tokens per prefill forward")
     decoding_prefill_chunk_size: int = arg(
         64, "most prompt tokens per prefill forward while other requests decode: such a "
             "forward runs between two of their steps and delays each stream by its time "

@@ -317,7 +317,8 @@ def plan(args, records: list[dict]) -> list[tuple[str, str, dict | None, int]]:
                 points.append((name, "legacy", "legacy", t))
     per_shape = []
     for name, (kind, _n, k, _r) in shapes.items():
-        best = best_of(records, name) if args.stage == 1 else None
+        best = (best_of(records, name, methods=("w4a16", "legacy")) if args.stage == 1
+                else None)  # stage 1 varies the best tile, whatever the dequant point did
         per_shape.append([(name, "w4a16", cfg, t) for cfg in stage_configs(
             kind, k, args.stage, best and best["config"], args.smoke) for t in tokens])
     # config-major across shapes, so a budget cut trims every shape's least likely configs

@@ -100,3 +100,12 @@ def test_dequant_point_is_measured_and_checked(monkeypatch):
                      True)
     rec = tune.measure(p, "dequant+gemm", tune.DEQUANT, 128, reps=1)
     assert rec["status"] == "ok" and rec["err"] <= tune.TOL and rec["ms"] > 0
+
+
+def test_stage1_varies_the_best_tile_even_when_dequant_won():
+    args = type("A", (), {"stage": 1, "smoke": False, "tokens": [8192]})()
+    records = [_rec(name, 8192, 1.0) for name in tune.SHAPES] + [
+        {**_rec(name, 8192, 0.1), "method": "dequant+gemm", "config": dict(tune.DEQUANT)}
+        for name in tune.SHAPES]
+    points = tune.plan(args, records)
+    assert points and all(m == "w4a16" and "block_k" in c for _, m, c, _ in points)
