@@ -1,4 +1,4 @@
-"""W4A16 NVFP4 GEMM launchers: bf16 activations x packed E2M1 weights, no dequantized copy.
+"""W4A16 NVFP4 GEMM launchers: bf16 activations x packed E2M1 weights decoded in registers.
 
 One kernel (``_w4a16_kernels.py``, which says how it decodes) serves every shape of use:
 
