@@ -3,7 +3,7 @@
 At prefill sizes a W4A16 GEMM's cost is the tensor-core math, and where the in-tile decode
 leaves the tensor cores idle (a short K loop per tile: the experts' down projection, K = 1856;
 the shared expert) decoding the whole weight once into a scratch copy, then cuBLAS
-(``torch.matmul``, ``torch._grouped_mm``), measures faster: the copy is written and read once
+(``F.linear``, ``torch._grouped_mm``), measures faster: the copy is written and read once
 (~1.6 GB for 128 experts' down projections, 0.78 ms on an H200) while the GEMM runs at the
 bf16 rate. ``w4a16_prefill.PREFILL_TABLE`` names the shapes and sizes where it wins (config
 key ``dequant``); the launchers in ``w4a16.py`` dispatch here.
