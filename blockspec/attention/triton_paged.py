@@ -21,7 +21,7 @@ class TritonPagedAttention(AttentionBackend):
 
     def _tiles(self, meta: ForwardMetadata, group: int,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict, int]:
-        key = (self.name, group)
+        key = (self.name, group, dtype)   # the prefill tiles depend on the dtype
         if key not in meta.attn_state:
             dev = meta.req_slots.device
             if meta.q_len is not None:

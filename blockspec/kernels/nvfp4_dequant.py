@@ -107,13 +107,3 @@ def dequant_grouped(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch
     offs = expert_offsets[1:].to(device=x.device, dtype=torch.int32)
     y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     return _relu2(y) if relu2 else y
-
-
-def dequant_gemm_ok(x: torch.Tensor) -> bool:
-    """Where the dequantized GEMMs run natively: ``torch._grouped_mm`` on sm90+ in bf16 (and
-    the CPU, for the tests); elsewhere the launchers keep the in-tile W4A16 kernel."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if x.device.type == "cpu":
-        return True
-    return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9

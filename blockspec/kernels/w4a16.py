@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from blockspec.kernels.nvfp4_dequant import dequant_gemm_ok, dequant_grouped, dequant_linear
+from blockspec.kernels.grouped_mm import grouped_mm_ok
+from blockspec.kernels.nvfp4_dequant import dequant_grouped, dequant_linear
 from blockspec.kernels.triton_loader import interpreting, load_kernels, sm_count
 from blockspec.kernels.w4a16_blocks import expert_blocks, grouped_blocks  # noqa: F401 (MoE's)
 from blockspec.kernels.w4a16_layout import from_kernel_layout
@@ -308,8 +309,8 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     pre = prefill_config("dense", n, k, m) if is_dense_prefill(m, n, k) else {}
     pre_m = pre.pop("block_m", None)
     block_m = block_m or pre_m or _builtin_v2_config(n, k, m)["block_m"]
-    table_says = pre.pop("dequant", False)
-    if (table_says if dequant is None else dequant) and dequant_gemm_ok(x2):
+    table_says = pre.pop("dequant", False)   # measured on sm90 bf16: where grouped_mm runs
+    if (table_says if dequant is None else dequant) and grouped_mm_ok(x2):
         y = dequant_linear(x2, w, s, ws2, relu2)
     else:
         y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype, variant,
@@ -371,7 +372,7 @@ def grouped_w4a16(x: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.T
     pre.pop("block_m", None)  # the row blocks' own
     ws2 = weight_scale_2.reshape(e).to(torch.float32)
     table_says = pre.pop("dequant", False)
-    if (table_says if dequant is None else dequant) and dequant_gemm_ok(x2):
+    if (table_says if dequant is None else dequant) and grouped_mm_ok(x2, n, k):
         if x_ordered:
             raise ValueError("grouped_w4a16: dequant takes x in its natural K order")
         return dequant_grouped(x2, expert_offsets, weight, weight_scale, ws2, relu2)

@@ -43,24 +43,22 @@ DEFAULT_PREFILL = {
 # (kind, N, K, m_bucket) -> config: Lightning's shapes (routed up/down, shared expert up/down),
 # from the sweep on one H200 (scripts/tune_w4a16_prefill.py --tokens 2048 8192, then 8192 16384,
 # then 16384 32768 with the dequant candidate; M = prompt tokens, grouped rows = 6 x tokens).
+# An M between two entries takes the one below, so a config is listed only where it changes.
 _G128 = {"block_m": 128, "block_n": 128, "block_k": 64, "swap": True, "n_inner": True}
-_G256 = {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3,
-         "swap": True, "n_inner": True, "x_perm": True}
-_D256 = {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 3}
 PREFILL_TABLE: dict[tuple[str, int, int, int], dict] = {
     ("grouped", 2688, 1856, 8192): {**_G128, "num_warps": 8, "num_stages": 3, "x_perm": True},
     ("grouped", 2688, 1856, 32768): {**_G128, "num_warps": 4, "num_stages": 3, "x_perm": False},
-    ("grouped", 1856, 2688, 8192): _G256,
-    ("grouped", 1856, 2688, 32768): _G256,
-    ("grouped", 1856, 2688, 65536): _G256,
     ("grouped", 2688, 1856, 65536): {"dequant": True},
+    ("grouped", 1856, 2688, 8192): {"block_m": 128, "block_n": 256, "block_k": 128,
+                                    "num_warps": 8, "num_stages": 3, "swap": True,
+                                    "n_inner": True, "x_perm": True},
     ("dense", 2688, 3712, 2048): {"block_m": 128, "block_n": 128, "block_k": 128, "num_warps": 8,
                                   "num_stages": 3, "swap": True, "n_inner": False, "x_perm": False},
     ("dense", 2688, 3712, 8192): {"dequant": True},
-    ("dense", 2688, 3712, 16384): {"dequant": True},
-    ("dense", 3712, 2688, 2048): {**_D256, "swap": False, "n_inner": False, "x_perm": False},
+    ("dense", 3712, 2688, 2048): {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8,
+                                  "num_stages": 3, "swap": False, "n_inner": False,
+                                  "x_perm": False},
     ("dense", 3712, 2688, 8192): {"dequant": True},
-    ("dense", 3712, 2688, 16384): {"dequant": True},
 }
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from blockspec.kernels import moe_routing
+from blockspec.kernels.grouped_mm import grouped_mm_ok
 from blockspec.kernels.moe_combine import moe_combine, moe_combine_reference
 from blockspec.kernels.moe_pairs import DEDUP_MAX_TOKENS, pair_gemv
 from blockspec.kernels.relu2 import relu2 as relu2_kernel, relu2_reference
@@ -245,7 +246,7 @@ class MoE(nn.Module):
         tok = order // ids.shape[1]
         expert = ids.reshape(-1)[order]
         x = h[tok]
-        if _grouped_mm_ok(x, wu, wd):
+        if grouped_mm_ok(x, *wu.shape[-2:], *wd.shape[-2:]):
             offs = offsets[1:].to(torch.int32)
             up = torch._grouped_mm(x, wu.transpose(-2, -1), offs=offs)
             if bu is not None:
@@ -354,15 +355,3 @@ def _stack_dense(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor |
         if bias is not None:
             m.bias.data = bias[e]
     return weight, bias
-
-
-def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """``torch._grouped_mm`` runs natively on CPU, and on CUDA for bf16 on sm90+ with 16-aligned
-    sizes; elsewhere the batched-gather path is used."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if x.device.type == "cpu":
-        return True
-    if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9:
-        return False
-    return all(w.shape[-1] % 16 == 0 and w.shape[-2] % 16 == 0 for w in weights)
