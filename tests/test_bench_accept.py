@@ -193,3 +193,33 @@ def test_every_bench_checks_the_simulation_flags_before_building():
                             simulate_low_accept_phases=None, json_schema=None)
     with pytest.raises(ValueError, match="contradict"):
         build_engine(ns, 1)
+
+
+def test_fixed_widths_pin_the_adaptive_engine_and_expected_rate_follows_the_widths():
+    """``--fixed-widths 1,3`` adds a row per width before the adaptive row, each run wholly at
+    its width (width 1 accepts nothing); ``expected_decode_tok_per_s`` is the profile's mean
+    at the widths the steps ran over the same decode time, so it tracks the realised rate."""
+    rows = run(_args(device="cpu", input_len=4, output_len=60, batch_size=[2], repeats=1,
+                     random_draft="dflash", speculative_num_draft_tokens=4,
+                     speculative_adaptive=True, fixed_widths=[1, 3],
+                     simulate_accept_profile="0.9,0.6,0.3"))
+    assert [r["pinned_width"] for r in rows] == [1, 3, None]
+    one, three, adaptive = rows
+    assert one["width_histogram"][0] > 0 and sum(one["width_histogram"][1:]) == 0
+    assert one["accept_length"] == 1.0 and one["verify_width"] == 1
+    assert three["width_histogram"][2] == sum(three["width_histogram"])
+    for r, mean in ((one, 1.0), (three, 1 + 0.9 + 0.54)):
+        steps = sum(r["width_histogram"])
+        want = steps * mean / r["decode_s"]
+        assert r["expected_decode_tok_per_s"] == pytest.approx(want, rel=1e-3)
+    assert adaptive["verify_width"] == 4 and adaptive["expected_decode_tok_per_s"] > 0
+    assert three["expected_decode_tok_per_s"] == pytest.approx(three["decode_tok_per_s"], rel=0.25)
+
+
+def test_fixed_widths_need_an_adaptive_engine_and_candidate_widths():
+    base = dict(device="cpu", input_len=4, output_len=8, batch_size=[1], repeats=1,
+                random_draft="dflash", speculative_num_draft_tokens=4)
+    with pytest.raises(ValueError, match="--speculative-adaptive"):
+        run(_args(**base, fixed_widths=[2]))
+    with pytest.raises(ValueError, match="--fixed-widths 6: not a candidate"):
+        run(_args(**base, speculative_adaptive=True, fixed_widths=[2, 6]))

@@ -69,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="choose each step's verify width (1 .. --speculative-num-draft-tokens) "
                         "from the measured step-time table and live acceptance; rows then report "
                         "the width distribution")
+    p.add_argument("--fixed-widths", type=_int_list, metavar="W[,W...]",
+                   help="with --speculative-adaptive: before each batch size's adaptive row, one "
+                        "row per width with the choice pinned to it, on the same engine (its "
+                        "graphs, cost table and prompts): the fixed widths adaptive is compared "
+                        "with; default: none")
     p.add_argument("--simulate-accept-length", type=float, metavar="TAU",
                    help="force the mean tokens committed per verify (bonus included) to TAU, as if "
                         "a trained draft were attached (sglang's simulated acceptance): the profile "

@@ -4,6 +4,7 @@
         [--quantized]] [--random-draft dflash|dspark|dflash-nemotron35|dspark-nemotron35
         [--simulate-accept-length TAU | --simulate-accept-profile P1,P2,...|NAME]
         [--simulate-low-accept-phases every=N,len=L,scale=S]]
+        [--speculative-adaptive [--fixed-widths 2,4,6]]
         --batch-size 1,4,16,64 --input-len 128 --output-len 64 [--compare-eager]
         [--compare-transformers] [--json-schema FILE]
 
@@ -21,7 +22,11 @@ so 100 % of the floor is out of reach).
 Simulated acceptance (``bench/accept_profile.py``, ``speculative/simulated_accept.py``)
 forces which drafts a verify accepts; a speculative row reports the realised per-position
 rates (``accept_rates``: P(draft i accepted | drafts before it accepted), from the pooled
-accept histogram) and, when simulated, what the profile and phases predict for the same steps.
+accept histogram) and, when simulated, what the profile and phases predict for the same steps;
+without phases also ``expected_decode_tok_per_s``, the tokens the profile commits on average
+at the widths the steps ran, over the decode time (the realised coins' noise removed: at batch
+1 and 512 tokens a run's accept length varies by a few per cent). ``--fixed-widths`` pins an
+adaptive engine's width for extra rows, so adaptive and the fixed widths share one engine.
 
 ``--json-schema`` constrains every sequence to a schema; a sequence may then end before
 ``--output-len`` (when its JSON closes), so steps are counted from the tokens produced.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -146,9 +152,10 @@ def acceptance_fields(engine, outs: list[dict]) -> dict:
     pooled = [sum(h[i] for h in hists if len(h) > i) for i in range(width)]
     out = {"accept_histogram": pooled,
            "accept_rates": _round4(accept_profile.histogram_rates(pooled))}
-    if engine.drafter.adaptive:     # steps per verify width (1 = plain decode); rates above mix widths
-        widths = [o["meta_info"].get("spec_width_histogram") or [] for o in outs]
-        hist = [sum(h[i] for h in widths if len(h) > i) for i in range(width)]
+    # request steps per verify width (index w - 1; 1 = plain decode)
+    widths = [o["meta_info"].get("spec_width_histogram") or [] for o in outs]
+    hist = [sum(h[i] for h in widths if len(h) > i) for i in range(width)]
+    if engine.drafter.adaptive:     # rates above then mix widths
         out.update(width_histogram=hist, mean_verify_width=round(
             sum((i + 1) * n for i, n in enumerate(hist)) / max(sum(hist), 1), 3))
     sim = engine.drafter.simulate
@@ -161,6 +168,9 @@ def acceptance_fields(engine, outs: list[dict]) -> dict:
                                                     sum(steps) - low, low)
         out.update(simulated_expected_accept_length=round(mean, 4),
                    simulated_expected_rates=_round4(rates), simulated_low_phase_steps=low)
+        if phases is None:      # what the steps' widths commit on average: no coin noise
+            out["expected_tokens"] = sum(
+                n * accept_profile.mean_accept_length(sim.probs, i) for i, n in enumerate(hist))
     return out
 
 
@@ -213,10 +223,26 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
         "decode_tok_per_s": round(new_tokens / decode, 2),
         "tok_per_s_per_seq": round(new_tokens / decode / batch, 2),
         "step_ms": float(f"{step_s * 1e3:.4g}"), "weight_bytes_per_step": int(wbytes),
+        **({"expected_decode_tok_per_s": round(spec.pop("expected_tokens") / decode, 2)}
+           if "expected_tokens" in spec else {}),
         "achieved_GBps": float(f"{wbytes / step_s / 1e9:.4g}"),
         "floor_step_ms_at_4.8TBps": float(f"{floor_s * 1e3:.4g}"),
         "pct_of_floor": float(f"{100 * floor_s / step_s:.3g}"),
     }
+
+
+def pinned_widths(engine, widths: list[int] | None) -> list[int]:
+    """``--fixed-widths``, checked against the adaptive engine's candidate widths."""
+    if not widths:
+        return []
+    if engine.drafter is None or not engine.drafter.adaptive:
+        raise ValueError("--fixed-widths pins the width of an adaptive engine: give "
+                         "--speculative-adaptive and a draft")
+    bad = [w for w in widths if w not in engine.drafter.widths]
+    if bad:
+        raise ValueError(f"--fixed-widths {','.join(map(str, bad))}: not a candidate width of "
+                         f"this engine ({','.join(map(str, engine.drafter.widths))})")
+    return list(widths)
 
 
 def transformers_decode(model_path: str | None, preset_cfg: dict | None, device: torch.device,
@@ -338,6 +364,11 @@ def run(args: argparse.Namespace) -> list[dict]:
         "attention_backend": engine.backends.decode,
         "json_schema": args.json_schema,
     }
+    try:
+        pinned = pinned_widths(engine, getattr(args, "fixed_widths", None))
+    except ValueError:
+        engine.shutdown()
+        raise
     results = []
     graphs = engine.runner.graphs
     for batch in batches:
@@ -346,8 +377,14 @@ def run(args: argparse.Namespace) -> list[dict]:
             modes.append(False)
         for use_graph in modes:
             engine.runner.graphs = graphs if use_graph else None
-            results.append({**base, "cuda_graph": use_graph, **measure(engine, batch, args)})
-            print(json.dumps(results[-1]), flush=True)
+            for w in pinned + [None]:
+                if engine.drafter is not None:
+                    engine.drafter.chooser.force = None if w is None else itertools.repeat(w)
+                row = measure(engine, batch, args)
+                if pinned:
+                    row.update(pinned_width=w, verify_width=w or row["verify_width"])
+                results.append({**base, "cuda_graph": use_graph, **row})
+                print(json.dumps(results[-1]), flush=True)
         engine.runner.graphs = graphs
     cfg_dict = None if args.model_path else preset_config(args.preset)
     device, dtype = engine.device, engine.dtype

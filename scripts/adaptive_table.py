@@ -1,0 +1,53 @@
+"""Adaptive verify width against the fixed widths and AR, from ``blockspec bench`` JSON lines.
+
+    python scripts/adaptive_table.py AR.jsonl SPEC.jsonl [SPEC.jsonl ...]
+
+AR.jsonl: rows of a plain (no draft) run; SPEC.jsonl: rows of an adaptive run with
+``--fixed-widths`` (one row per pinned width, then the adaptive row, per batch size). Rates
+are ``expected_decode_tok_per_s`` where the row has it (the profile's mean at the widths run,
+so coin noise does not decide the ranking), else ``decode_tok_per_s``; the realised rate of the
+adaptive row is shown beside it.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+
+def rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip().startswith("{")]
+
+
+def rate(r: dict) -> float:
+    return r.get("expected_decode_tok_per_s") or r["decode_tok_per_s"]
+
+
+def main(argv: list[str]) -> int:
+    ar = {r["batch_size"]: r for r in rows(argv[0]) if r.get("speculative") is None}
+    for path in argv[1:]:
+        by_batch: dict[int, dict] = defaultdict(dict)
+        label = None
+        for r in rows(path):
+            by_batch[r["batch_size"]][r.get("pinned_width")] = r
+            label = label or (r.get("simulated_accept_profile"), r.get("speculative"))
+        print(f"{path}: {label}")
+        print("batch | AR tok/s | best fixed (w) | adaptive: tok/s (realised) mean width | "
+              "x best fixed | x AR | fixed widths tok/s")
+        for b, runs in sorted(by_batch.items()):
+            fixed = {w: rate(r) for w, r in runs.items() if w is not None}
+            ad = runs.get(None)
+            if not fixed or ad is None:
+                continue
+            best = max(fixed, key=fixed.get)
+            a = ar.get(b, {}).get("decode_tok_per_s")
+            print(f"{b} | {a or '-'} | {fixed[best]:.0f} (w{best}) | {rate(ad):.0f} "
+                  f"({ad['decode_tok_per_s']:.0f}) {ad.get('mean_verify_width')} | "
+                  f"{rate(ad) / fixed[best]:.3f} | {rate(ad) / a if a else float('nan'):.3f} | "
+                  + " ".join(f"w{w}:{v:.0f}" for w, v in sorted(fixed.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
