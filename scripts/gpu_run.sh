@@ -15,8 +15,8 @@
 #   attn       the paged attention kernel's prefill launch-config sweep (attn_prefill.jsonl)
 #   decodeq    quantized full preset, published-size drafts at the published acceptance:
 #              AR, DFlash w6, adaptive (max 8) and DSpark, batch 1,4,16,64,128
-#   widths     fixed DFlash widths 2-5, 7, 8 at batch 1,16,64 (6 runs in decodeq), and
-#              AR / adaptive at tau 1.5 (the low-acceptance goal)
+#   widths     adaptive (max 8) against each fixed DFlash width pinned on the same engine,
+#              batch 1,4,16,64,128, published profile and tau 1.5 (scripts/adaptive_table.py)
 #   itl        streams' inter-token latency while a 32k prompt prefills (chunks 64, 128)
 #   prefixc    prefix cache: multi-turn batch 1 and 16 to 32k; agentic with DFlash
 set -uo pipefail
@@ -117,14 +117,13 @@ decodeq)
       --simulate-accept-profile dspark-published 2>>"$OUT/stderr.log" >/dev/null
   ;;
 widths)
-  W="$B --preset nemotron-3.5-lightning --quantized --output-len 128 --repeats 1"
-  for w in 2 3 4 5 7 8; do
-    timeout 100 $W --batch-size 1,16,64 --random-draft dflash-nemotron35 \
-        --speculative-num-draft-tokens $w --simulate-accept-profile dflash-published \
-        2>>"$OUT/stderr.log" >/dev/null
-  done
-  timeout 120 $W --batch-size 1,16,64 --random-draft dflash-nemotron35 --speculative-adaptive \
-      --speculative-num-draft-tokens 8 --simulate-accept-length 1.5 2>>"$OUT/stderr.log" >/dev/null
+  # one adaptive engine: each fixed width pinned (--fixed-widths), then adaptive, per batch
+  W="$B --preset nemotron-3.5-lightning --quantized --output-len 128 --repeats 1 \
+     --batch-size 1,4,16,64,128 --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
+     --speculative-adaptive"
+  timeout 300 $W --fixed-widths 2,3,4,5,6,7,8 --simulate-accept-profile dflash-published \
+      2>>"$OUT/stderr.log" >/dev/null
+  timeout 150 $W --fixed-widths 1,2 --simulate-accept-length 1.5 2>>"$OUT/stderr.log" >/dev/null
   ;;
 itl)
   timeout 200 $B --preset nemotron-3.5-lightning --quantized --itl-under-prefill --batch-size 16 \
