@@ -15,8 +15,9 @@
 #   attn       the paged attention kernel's prefill launch-config sweep (attn_prefill.jsonl)
 #   decodeq    quantized full preset, published-size drafts at the published acceptance:
 #              AR, DFlash w6, adaptive (max 8) and DSpark, batch 1,4,16,64,128
-#   widths     adaptive (max 8) against each fixed DFlash width pinned on the same engine,
-#              batch 1,4,16,64,128, published profile and tau 1.5 (scripts/adaptive_table.py)
+#   widths     AR, and adaptive (max 8) against each fixed DFlash width pinned on the same
+#              engine, batch 1,4,16,64,128, published profile and tau 1.5; prints
+#              scripts/adaptive_table.py (about 7 minutes: a call of its own)
 #   itl        streams' inter-token latency while a 32k prompt prefills (chunks 64, 128)
 #   prefixc    prefix cache: multi-turn batch 1 and 16 to 32k; agentic with DFlash
 set -uo pipefail
@@ -117,13 +118,17 @@ decodeq)
       --simulate-accept-profile dspark-published 2>>"$OUT/stderr.log" >/dev/null
   ;;
 widths)
-  # one adaptive engine: each fixed width pinned (--fixed-widths), then adaptive, per batch
-  W="$B --preset nemotron-3.5-lightning --quantized --output-len 128 --repeats 1 \
-     --batch-size 1,4,16,64,128 --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
-     --speculative-adaptive"
+  # AR, then one adaptive engine per acceptance: each fixed width pinned (--fixed-widths), then
+  # adaptive, per batch (about 7 minutes; rows reach the files as they are measured)
+  L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
+     --output-len 128 --repeats 1 --batch-size 1,4,16,64,128"
+  timeout 100 $L --out "$OUT/ar.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  W="$L --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 --speculative-adaptive"
   timeout 300 $W --fixed-widths 2,3,4,5,6,7,8 --simulate-accept-profile dflash-published \
+      --out "$OUT/dflash.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  timeout 150 $W --fixed-widths 1,2 --simulate-accept-length 1.5 --out "$OUT/tau15.jsonl" \
       2>>"$OUT/stderr.log" >/dev/null
-  timeout 150 $W --fixed-widths 1,2 --simulate-accept-length 1.5 2>>"$OUT/stderr.log" >/dev/null
+  python3 scripts/adaptive_table.py "$OUT/ar.jsonl" "$OUT"/dflash.jsonl "$OUT"/tau15.jsonl
   ;;
 itl)
   timeout 200 $B --preset nemotron-3.5-lightning --quantized --itl-under-prefill --batch-size 16 \

@@ -138,6 +138,9 @@ def main() -> None:
                    help="a random draft as the bench builds it (*-nemotron35: published size, W4A16)")
     p.add_argument("--draft-lm-head", default="auto", choices=DRAFT_LM_HEADS)
     p.add_argument("--width", type=int, default=4, help="verify width with --draft / --verify-only")
+    p.add_argument("--step-width", type=int, metavar="W",
+                   help="with --draft: run the step at width W <= --width, as the adaptive "
+                        "chooser does (1: plain decoding plus the draft-context write)")
     p.add_argument("--verify-only", action="store_true",
                    help="time the target's verify forward of --width tokens alone (no draft, no "
                         "accept, no commit)")
@@ -159,7 +162,8 @@ def main() -> None:
     e = Engine.from_model(model, draft=draft, max_running_requests=max(bs, 1),
                           max_total_tokens=bs * (a.context + 128 + 64 * max(a.width, 1)),
                           cuda_graph_max_bs=max(bs, 1),
-                          speculative_draft_lm_head=a.draft_lm_head)
+                          speculative_draft_lm_head=a.draft_lm_head,
+                          speculative_adaptive=a.step_width is not None)
     runner = e.runner
     # every step advances its inputs on the device (the scheduler's overlap needs it), so the
     # 60 timed replays run at contexts from --context up: reserve them all
@@ -169,6 +173,8 @@ def main() -> None:
                       temperature=[0.0] * bs, top_k=[-1] * bs, top_p=[1.0] * bs, min_p=[0.0] * bs,
                       seeds=list(range(bs)), sample_counters=[0] * bs, verify_counters=[0] * bs)
     fn, kind = (e.drafter.step_fn, "spec") if draft is not None else (runner.decode_step, "decode")
+    if draft is not None and a.step_width is not None:
+        fn, kind = e.drafter.by_kind(f"spec{a.step_width}")[0], f"spec{a.step_width}"
     if draft is not None and a.simulate_accept_length is not None:
         e.drafter.simulate = SimulatedAcceptance(
             accept_length_profile(a.simulate_accept_length, e.drafter.gamma), dev)
@@ -195,7 +201,7 @@ def main() -> None:
     lines = [f"preset {a.preset} quantized={a.quantized} draft={a.draft} "
              f"draft_lm_head={a.draft_lm_head} verify_only={a.verify_only} "
              f"simulate={a.simulate_accept_length} "
-             f"width={a.width if draft or a.verify_only else 1} "
+             f"width={a.width if draft or a.verify_only else 1} step_width={a.step_width} "
              f"batch {bs} context {a.context}"]
     with torch.inference_mode():
         runner.inputs.fill(batch, bs)

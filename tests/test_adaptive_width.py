@@ -88,7 +88,8 @@ def test_cost_table_falls_back_to_the_analytic_shape():
 
 
 def test_ewma_update():
-    e = AcceptanceEWMA(slots=3, positions=4, device=torch.device("cpu"), alpha=0.5, prior=0.8)
+    e = AcceptanceEWMA(slots=3, positions=4, device=torch.device("cpu"), alpha=0.5, prior=0.8,
+                       engine_alpha=0.5)
     slot, first = torch.tensor([0, 1]), torch.tensor([0, 0])
     # width 4 (3 drafts verified): row 0 accepted 1 -> pos 0 hit, pos 1 missed, pos 2-3 unseen;
     # row 1 accepted 3 -> pos 0-2 hit, pos 3 (never verified at width 4) unseen
@@ -96,15 +97,33 @@ def test_ewma_update():
     assert new[0].tolist() == pytest.approx([0.9, 0.4, 0.8, 0.8])
     assert new[1].tolist() == pytest.approx([0.9, 0.9, 0.9, 0.8])
     assert e.table[0].tolist() == pytest.approx([0.9, 0.4, 0.8, 0.8])
-    # width 1 (nothing verified): nothing changes
+    # the engine row moves halfway to the batch's rates: pos 0 2/2, pos 1 1/2, pos 2 1/1
+    assert e.engine.tolist() == pytest.approx([0.9, 0.65, 0.9, 0.8])
+    # width 1 (nothing verified): nothing changes, the engine row neither
     low = e.update(slot[1:], torch.tensor([1]), torch.tensor([0]), width=1)
     assert low[0].tolist() == pytest.approx([0.9, 0.9, 0.9, 0.8])
+    assert e.engine.tolist() == pytest.approx([0.9, 0.65, 0.9, 0.8])
     # a later step of row 0 starts from its row; width 2 verifies only position 0
     again = e.update(slot[:1], torch.tensor([5]), torch.tensor([0]), width=2)
     assert again[0].tolist() == pytest.approx([0.45, 0.4, 0.8, 0.8])
-    # a new request in a used slot (verify counter 0) starts from the prior again
-    fresh = e.update(slot[:1], torch.tensor([0]), torch.tensor([1]), width=3)
-    assert fresh[0].tolist() == pytest.approx([0.9, 0.4, 0.8, 0.8])
+    assert e.engine.tolist() == pytest.approx([0.45, 0.65, 0.9, 0.8])
+    # a new request in a used slot (verify counter 0) starts from the engine row, at width 1 too
+    fresh = e.update(slot[:1], torch.tensor([0]), torch.tensor([0]), width=1)
+    assert fresh[0].tolist() == pytest.approx([0.45, 0.65, 0.9, 0.8])
+    # the dummy slot (padding rows, the last one) never moves the engine row
+    e.update(torch.tensor([2, 2]), torch.tensor([3, 3]), torch.tensor([0, 0]), width=4)
+    assert e.engine.tolist() == pytest.approx([0.45, 0.65, 0.9, 0.8])
+
+
+def test_chooser_pools_the_rows_with_the_engine_row():
+    chooser = WidthChooser(range(1, 7), _cost(6), engine_weight=4.0)
+    # one request whose row dipped after a few misses, against a steady engine row
+    chooser.observe([[0.0] * 5], engine=[0.9] * 5)
+    assert chooser.p == pytest.approx([0.72] * 5)
+    assert chooser.choose(16) == 6
+    # a full batch outweighs the engine row
+    chooser.observe([[0.0] * 5] * 64, engine=[0.9] * 5)
+    assert chooser.p[0] == pytest.approx(3.6 / 68) and chooser.choose(16) == 1
 
 
 # ---- engines --------------------------------------------------------------------------------

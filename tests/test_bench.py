@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -18,9 +19,14 @@ def _args(**kw):
     return ns
 
 
-def test_bench_reports_consistent_numbers():
-    rows = run(_args(device="cpu", input_len=8, output_len=6, batch_size=[2, 1], repeats=1))
+def test_bench_reports_consistent_numbers(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    out.write_text('{"earlier": true}\n')             # --out appends to what is there
+    rows = run(_args(device="cpu", input_len=8, output_len=6, batch_size=[2, 1], repeats=1,
+                     out=str(out)))
     assert [r["batch_size"] for r in rows] == [2, 1]
+    # each row reached the file as it was measured, once
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [{"earlier": True}, *rows]
     for r in rows:
         assert r["decode_tok_per_s"] > 0 and r["step_ms"] > 0 and r["model"] == "random:tiny"
         assert r["achieved_GBps"] * 1e9 * r["step_ms"] / 1e3 == pytest.approx(

@@ -73,7 +73,42 @@ def test_fused_write_matches_per_layer_torch(mode, dtype, rows, heads, d):
         torch.testing.assert_close(out.k.float(), ref.k.float(), rtol=2 ** -6, atol=big * 2 ** -6)
 
 
-def test_quantized_or_biased_projections_keep_the_torch_path():
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_quantized_projections_stack_dequantized(mode):
+    """A W4A16 draft (the published Nemotron 3.5 format) also writes its context in one GEMM:
+    the stack holds its k/v projections dequantized, and the fused write matches the
+    per-layer path through the quantized linears."""
+    from blockspec.bench import presets  # lazy: the bench's preset draft is the fixture
+    from blockspec.bench.draft_presets import build_random_draft  # lazy: as above
+
+    dtype = torch.float32 if mode.type == "cpu" else torch.bfloat16
+    model = build_random_draft("dflash-nemotron35", presets.preset_config("tiny"), 4, mode, dtype)
+    model.fuse()
+    assert model.context_kv is not None
+    weight = model.context_kv[0]
+    attn = model.layers[1].self_attn
+    rows = 2 * attn.num_kv_heads * attn.head_dim
+    want = torch.cat([attn.k_proj.dense_weight(dtype), attn.v_proj.dense_weight(dtype)])
+    assert weight.dtype == dtype and torch.equal(weight[rows:2 * rows], want)
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(5, model.config.fc_in_features, generator=g).to(mode, dtype)
+    pos, slots = torch.arange(40, 45, device=mode), torch.tensor([3, 9, 0, 17, 6], device=mode)
+    fast, ref = _pools(model, 32, dtype, mode), _pools(model, 32, dtype, mode)
+    saved = model.context_kv
+    with torch.no_grad():
+        weight, norm, freq, eps = saved
+        kv = torch.nn.functional.linear(model.project_context_hidden(feats), weight)
+        write_draft_kv(kv, pos, slots, norm, freq, fast.k, fast.v, eps)
+        model.context_kv = None
+        model.write_context(feats, pos, slots, ref)              # the per-layer quantized path
+        model.context_kv = saved
+    assert ref.v[:, slots].abs().sum() > 0
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2 ** -6, "atol": 2e-2}
+    torch.testing.assert_close(fast.v.float(), ref.v.float(), **tol)
+    torch.testing.assert_close(fast.k.float(), ref.k.float(), **tol)
+
+
+def test_biased_projections_keep_the_torch_path():
     cfg = draft_config("dflash", hidden=HIDDEN, vocab=40, target_layers=6, block_size=4)
     cfg["attention_bias"] = True
     model = build_draft_model(parse_draft_config(cfg), None, torch.float32)

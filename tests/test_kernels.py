@@ -169,3 +169,37 @@ def test_verify_then_commit_kernels_equal_decode_kernel(mode):
                       torch.tensor([i], device=mode), groups=m.G)
         assert torch.equal(pool.ssm[0], ssm) and torch.equal(pool.conv[0], conv)
         assert torch.equal(y_verify[: i + 1], torch.cat(ys))
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+def test_wide_batch_verify_equals_decode_steps(mode):
+    """At a batch of 48 with 64-channel heads (where a verify on whole-head blocks once broke
+    the match on the GPU) the verify's outputs and committed states are decode's bit for bit,
+    or speculation would stop being token-exact at large batch."""
+    from blockspec.kernels.mamba_step import commit_verify, mamba_steps
+
+    H, P, N, G, T, B = 2, 64, 16, 1, 3, 48
+    d_inner, C = H * P, H * P + 2 * G * N
+    g = torch.Generator().manual_seed(5)
+    conv_w = (torch.randn(C, 1, 4, generator=g) * 0.3).to(mode)
+    kw = dict(conv_weight=conv_w, conv_bias=(torch.randn(C, generator=g) * 0.1).to(mode),
+              dt_bias=(torch.randn(H, generator=g) * 0.1).to(mode),
+              a_log=(torch.randn(H, generator=g) * 0.5).to(mode), d_skip=torch.randn(H).to(mode),
+              heads=H, head_dim=P, state_size=N, groups=G, d_inner=d_inner)
+    conv0 = torch.randn(1, B, C, 3, generator=g).to(mode)
+    ssm0 = (torch.randn(1, B, H, P, N, generator=g) * 0.1).to(mode)
+    zx = torch.randn(B, T, d_inner + C + H, generator=g).to(mode)
+    xs = torch.zeros(1, B, T, C, device=mode)
+    ss = torch.zeros(1, B, T, H + d_inner + G * N, device=mode)
+    slots = torch.arange(B, device=mode)
+    y_verify = mamba_steps(zx.reshape(B * T, -1), conv_state=conv0[0], ssm_state=ssm0[0],
+                           slots=slots, steps=T, commit=False, xbc_scratch=xs[0],
+                           step_scratch=ss[0], **kw).view(B, T, -1)
+    conv, ssm = conv0.clone(), ssm0.clone()
+    index = torch.full((B,), T - 1, device=mode)
+    commit_verify(conv, ssm, xs, ss, slots, index, groups=G)
+    dconv, dssm = conv0[0].clone(), ssm0[0].clone()
+    ys = [mamba_steps(zx[:, t], conv_state=dconv, ssm_state=dssm, slots=slots, steps=1,
+                      commit=True, **kw) for t in range(T)]
+    assert torch.equal(y_verify, torch.stack(ys, dim=1))
+    assert torch.equal(ssm[0], dssm) and torch.equal(conv[0], dconv)

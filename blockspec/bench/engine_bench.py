@@ -47,6 +47,7 @@ import torch
 
 from blockspec.bench import accept_profile, draft_presets, presets
 from blockspec.bench.bench_args import with_lengths
+from blockspec.bench.jsonl import append_rows
 from blockspec.bench.presets import preset_config
 from blockspec.bench.synthetic_tokenizer import synthetic_tokenizer
 from blockspec.checkpoint import DTYPES
@@ -370,6 +371,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         engine.shutdown()
         raise
     results = []
+
+    def emit(row: dict) -> None:
+        """Print a row and append it to ``--out`` as soon as it is measured (a run cut short
+        by a time limit keeps the rows it finished)."""
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        append_rows(getattr(args, "out", None), [row])
+
     graphs = engine.runner.graphs
     for batch in batches:
         modes = [graphs is not None]
@@ -383,8 +392,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 row = measure(engine, batch, args)
                 if pinned:
                     row.update(pinned_width=w, verify_width=w or row["verify_width"])
-                results.append({**base, "cuda_graph": use_graph, **row})
-                print(json.dumps(results[-1]), flush=True)
+                emit({**base, "cuda_graph": use_graph, **row})
         engine.runner.graphs = graphs
     cfg_dict = None if args.model_path else preset_config(args.preset)
     device, dtype = engine.device, engine.dtype
@@ -398,21 +406,14 @@ def run(args: argparse.Namespace) -> list[dict]:
                 hf = {**base, **transformers_decode(args.model_path, cfg_dict, device, batch, args,
                                                     min(args.output_len, 16))}
             except Exception as e:      # noqa: BLE001 - report it; the other rows stand
-                hf = {**base, "engine": "transformers", "error": f"{type(e).__name__}: {e}"[:300]}
-                results.append(hf)
-                print(json.dumps(hf), flush=True)
+                emit({**base, "engine": "transformers", "error": f"{type(e).__name__}: {e}"[:300]})
                 continue
             ours = next(r for r in results if r["batch_size"] == batch and r["cuda_graph"] == (graphs is not None))
             hf["blockspec_speedup"] = round(hf["step_ms"] / ours["step_ms"] * ours["accept_length"], 2)
-            results.append(hf)
-            print(json.dumps(hf), flush=True)
+            emit(hf)
     return results
 
 
 def main(args: argparse.Namespace) -> int:
-    results = run(args)
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
+    run(args)           # each row reaches --out as it is measured
     return 0

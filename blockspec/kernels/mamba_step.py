@@ -22,10 +22,13 @@ def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: t
                 heads: int, head_dim: int, state_size: int, groups: int, d_inner: int,
                 commit: bool, xbc_scratch: torch.Tensor | None = None,
                 step_scratch: torch.Tensor | None = None,
-                dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+                dt_limit: tuple[float, float] = (0.0, float("inf")),
+                block_p: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """``zxbcdt`` [B*T, z | xBC | dt] (the in_proj output, rows b*T + t); one layer's pools
     ``conv_state`` [S, C, 3] and ``ssm_state`` [S, H, P, N] (fp32); scratch [S, T', C] and
     [S, T', H + d_inner + G * N] (fp32 step inputs, ``MambaStatePool``) for verify.
+    ``block_p`` / ``num_warps``: launch overrides for ``scripts/bench_mamba_step.py`` (decode
+    and verify must share them: the C . state sum's order follows the layout).
     Returns y [B*T, d_inner] fp32 (D skip included)."""
     rows, width = zxbcdt.shape
     conv_dim = d_inner + 2 * groups * state_size
@@ -34,7 +37,11 @@ def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: t
                          f"T={steps}, d_inner={d_inner}, conv_dim={conv_dim}, heads={heads}")
     if zxbcdt.stride(-1) != 1:
         zxbcdt = zxbcdt.contiguous()
-    block_p = min(head_dim, 32)
+    # one block size for decode and verify alike: a verify on whole heads (64 channels) was
+    # 15-30 % faster at 48+ requests on an H200, but its C . state sums came out in another
+    # order than decode's at some shapes (tests/test_kernels.py, on the GPU), and a verify
+    # must reproduce decode bit for bit
+    block_p = block_p or min(head_dim, 32)
     if head_dim % block_p or state_size & (state_size - 1) or block_p & (block_p - 1):
         raise ValueError("mamba_steps needs power-of-two head_dim blocks and state size")
     y = torch.empty(rows, d_inner, dtype=torch.float32, device=zxbcdt.device)
@@ -47,7 +54,7 @@ def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: t
                          f"[S, T', {heads + d_inner + groups * state_size}] (contiguous rows)")
     ssm_s = step_scratch if step_scratch is not None else ssm_state
     xbc_s = xbc_scratch if xbc_scratch is not None else conv_state
-    extra = {} if interpreting() else {"num_warps": 4}
+    extra = {} if interpreting() else {"num_warps": num_warps or 4}
     kernels = load_kernels(_KERNELS)
     kernels._mamba_steps_kernel[(slots.shape[0], heads, head_dim // block_p)](
         zxbcdt, conv_weight.reshape(conv_dim, -1), conv_bias if conv_bias is not None else d_skip,
@@ -62,17 +69,19 @@ def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: t
         block = 256
         kernels._conv_window_kernel[(slots.shape[0], -(-conv_dim // block))](
             zxbcdt, conv_state, slots, zxbcdt.stride(0), conv_state.stride(0), DINNER=d_inner,
-            CONV=conv_dim, T=steps, BLOCK=block, **extra)
+            CONV=conv_dim, T=steps, BLOCK=block, **({} if interpreting() else {"num_warps": 4}))
     return y
 
 
 def commit_verify(conv: torch.Tensor, ssm: torch.Tensor, xbc_scratch: torch.Tensor,
                   step_scratch: torch.Tensor, slots: torch.Tensor, index: torch.Tensor,
-                  groups: int) -> None:
+                  groups: int, block_p: int | None = None, num_warps: int | None = None) -> None:
     """Every layer adopts, for slot ``slots[b]``, the state after verify position ``index[b]``:
     the SSM state by replaying positions 0..index from the step inputs in the scratch, the
     conv window shifted by index + 1 inputs; all layers in one launch. Pools as in
-    ``MambaStatePool``; its torch code is the reference."""
+    ``MambaStatePool``; its torch code is the reference. ``block_p`` / ``num_warps``: launch
+    overrides for ``scripts/bench_mamba_step.py`` (the replay is elementwise: any split gives
+    the same bits)."""
     L, _, C, keep = conv.shape
     _, _, H, P, N = ssm.shape
     width = step_scratch.shape[2]
@@ -83,8 +92,10 @@ def commit_verify(conv: torch.Tensor, ssm: torch.Tensor, xbc_scratch: torch.Tens
         raise ValueError(f"commit_verify: step_scratch rows of {step_scratch.shape[-1]}, "
                          f"expected H + H*P + G*N = {H + H * P + groups * N} (G={groups})")
     block_n = next_pow2(N, 2)
+    cap = 4 if block_p is None else block_p     # 4 channels on one warp: best of the sweep
     block_p = 1
-    while block_p * 2 <= P and P % (block_p * 2) == 0 and block_p * 2 * block_n <= 4096:
+    while (block_p * 2 <= cap and block_p * 2 <= P and P % (block_p * 2) == 0
+           and block_p * 2 * block_n <= 4096):
         block_p *= 2
     block_c = 256
     ssm_chunks = H * (P // block_p)
@@ -95,4 +106,5 @@ def commit_verify(conv: torch.Tensor, ssm: torch.Tensor, xbc_scratch: torch.Tens
         step_scratch.stride(2), conv.stride(0), conv.stride(1), xbc_scratch.stride(0),
         xbc_scratch.stride(1), xbc_scratch.stride(2), H=H, P=P, N=N, G=groups, W=width,
         KEEP=keep, BLOCK_J=next_pow2(keep, 2), BLOCK_P=block_p, BLOCK_N=block_n,
-        BLOCK_C=block_c, SSM_CHUNKS=ssm_chunks, **({} if interpreting() else {"num_warps": 4}))
+        BLOCK_C=block_c, SSM_CHUNKS=ssm_chunks,
+        **({} if interpreting() else {"num_warps": num_warps or 1}))

@@ -5,17 +5,19 @@ w chosen for the whole batch to maximise expected committed tokens per second.
   P(draft j accepted | drafts before it accepted), updated inside the step function from the
   accept lengths (device ops only; a graph replays it). Position j is observed only when the
   step verified it (j < w - 1) and reached it (j <= accepted drafts); the others keep their
-  value. A new request starts from an optimistic prior, so it is verified wide until its
-  acceptance is known.
+  value. Beside the rows, one engine-wide row follows the batch's observed rate at each
+  position more slowly: a new request starts from it (what recent requests achieved, an
+  optimistic prior before any verify), and the chooser leans on it where the batch is small.
 * Cost table (``CostTable``): step seconds per (padded batch, width), timed once by a few
   replays of each captured graph on the dummy rows; without graphs an analytic shape.
-* Choice (``WidthChooser``): E[w] = 1 + sum_{i < w-1} prod_{j <= i} p_j from the batch mean
-  of the EWMA rows the last read-back step returned; argmax_w E[w] / step_time(b, w) over the
-  captured widths. Every ``probe_every``-th choice takes the next wider width instead, so
-  positions the chosen width never verifies (all of them at width 1) are measured again and
-  a batch that fell back to plain decoding finds out when its drafts recover. No host sync
-  is added: with launch-ahead, step k + 1 is launched before step k is read back, so its
-  width uses the EWMA of step k - 1.
+* Choice (``WidthChooser``): E[w] = 1 + sum_{i < w-1} prod_{j <= i} p_j, with p the batch's
+  rows pooled with ``ENGINE_WEIGHT`` rows' worth of the engine row (a lone request's coin
+  flips then do not swing the width); argmax_w E[w] / step_time(b, w) over the captured
+  widths. Every ``probe_every``-th choice takes the next wider width instead, so positions
+  the chosen width never verifies (all of them at width 1) are measured again and a batch
+  that fell back to plain decoding finds out when its drafts recover. No host sync is
+  added: with launch-ahead, step k + 1 is launched before step k is read back, so its width
+  uses the EWMA of step k - 1.
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ WIDTH_BUDGET = 8
 # analytic step time (graphs off): fixed cost 1, the draft forward's share, and the verify rows
 # at which a step's compute matches its weight reads (placeholder shape, not a measurement)
 DRAFT_SHARE, ROWS_KNEE = 0.15, 256.0
-PRIOR = 0.8             # a new request's acceptance at every position, before any verify
+PRIOR = 0.8             # the engine row before any verify (every position)
+ENGINE_ALPHA = 0.05     # the engine row's EWMA rate per step (the rows': 0.25)
+ENGINE_WEIGHT = 4.0     # request rows' worth of the engine row in the chooser's pooled p
 PROBE_EVERY = 32        # every this many choices, one width wider than the best
 
 
@@ -55,27 +59,37 @@ def expected_tokens(p: Sequence[float], width: int) -> float:
 
 
 class AcceptanceEWMA:
-    """Per slot, per draft position acceptance EWMA on the device ([slots, W - 1] fp32)."""
+    """Per slot, per draft position acceptance EWMA on the device ([slots, W - 1] fp32; the
+    last slot is the dummy rows' and never feeds the engine row), and the engine row [W - 1]."""
 
     def __init__(self, slots: int, positions: int, device: torch.device, alpha: float = 0.25,
-                 prior: float = PRIOR) -> None:
-        self.alpha, self.prior = alpha, prior
+                 prior: float = PRIOR, engine_alpha: float = ENGINE_ALPHA) -> None:
+        self.alpha, self.engine_alpha = alpha, engine_alpha
         self.table = torch.full((slots, max(positions, 1)), prior, dtype=torch.float32,
                                 device=device)
+        self.engine = torch.full((max(positions, 1),), prior, dtype=torch.float32, device=device)
+        self.dummy = slots - 1
         self._pos = torch.arange(self.table.shape[1], device=device)
 
     def update(self, slot: torch.Tensor, verify_ctr: torch.Tensor, accepted: torch.Tensor,
                width: int) -> torch.Tensor:
         """Fold one step (``accepted`` drafts of ``width - 1`` verified) into the rows of
-        ``slot``; a request's first step (``verify_ctr`` 0) starts from the prior. Returns
-        the new rows [B, W - 1]."""
-        prev = torch.where(verify_ctr[:, None] == 0, torch.full_like(self.table[:1], self.prior),
-                           self.table[slot])
+        ``slot`` and into the engine row; a request's first step (``verify_ctr`` 0) starts
+        from the engine row. Returns the new rows [B, W - 1]."""
+        prev = torch.where(verify_ctr[:, None] == 0, self.engine[None], self.table[slot])
+        if width == 1:              # nothing verified: only new requests' rows change
+            self.table[slot] = prev
+            return prev
         j, a = self._pos[None], accepted[:, None]
         tested = (j <= a) & (j < width - 1)
         hit = (j < a).to(prev.dtype)
         new = torch.where(tested, prev + self.alpha * (hit - prev), prev)
         self.table[slot] = new
+        seen = (tested & (slot != self.dummy)[:, None]).to(prev.dtype)
+        n = seen.sum(0)
+        rate = (hit * seen).sum(0) / n.clamp_min(1.0)
+        step = torch.where(n > 0, self.engine_alpha * (rate - self.engine), 0.0)
+        self.engine.add_(step)
         return new
 
 
@@ -115,19 +129,24 @@ class WidthChooser:
     that is not a candidate runs at the largest candidate below it."""
 
     def __init__(self, widths: Sequence[int], cost: CostTable, prior: float = PRIOR,
-                 probe_every: int = PROBE_EVERY) -> None:
+                 probe_every: int = PROBE_EVERY, engine_weight: float = ENGINE_WEIGHT) -> None:
         self.widths = tuple(sorted(widths))
         self.max_width = self.widths[-1]
         self.cost = cost
         self.p = [prior] * max(self.max_width - 1, 1)
-        self.probe_every = probe_every
+        self.probe_every, self.engine_weight = probe_every, engine_weight
         self.force: Iterator[int] | None = None
         self._choices = 0
 
-    def observe(self, rows: Sequence[Sequence[float]]) -> None:
-        """The EWMA rows of a read-back step's requests (batch mean per position)."""
-        if rows:
-            self.p = [sum(col) / len(rows) for col in zip(*rows)]
+    def observe(self, rows: Sequence[Sequence[float]],
+                engine: Sequence[float] | None = None) -> None:
+        """The EWMA rows of a read-back step's requests and the engine row: per position,
+        the rows' sum plus ``engine_weight`` times the engine row, over their count."""
+        if not rows:
+            return
+        k = self.engine_weight if engine is not None else 0.0
+        base = engine if engine is not None else [0.0] * len(rows[0])
+        self.p = [(sum(col) + k * e) / (len(rows) + k) for col, e in zip(zip(*rows), base)]
 
     def fit(self, width: int) -> int:
         """The largest candidate width <= ``width`` (at least the smallest candidate)."""

@@ -147,23 +147,26 @@ class SpecWorker:
 
     def results(self, step: Launched) -> list[tuple]:
         """(accepted drafts a, the a + 1 committed tokens, their logprobs, their top
-        alternatives or None) per request; the rows' acceptance EWMA go to the chooser."""
+        alternatives or None) per request; the rows' acceptance EWMA and the engine row go
+        to the chooser."""
         T, G, k = step.width, self.gamma, self.runner.top_n
-        res, ewma = [], []
+        res, ewma, engine = [], [], None
         for row in self.runner.collect(step):    # one conversion of the step's output
             a = int(row[0])
-            tops = unpack_top(row[1 + 2 * T + G:], k, T)[:a + 1] if step.key[5] else None
+            tops = unpack_top(row[1 + 2 * T + 2 * G:], k, T)[:a + 1] if step.key[5] else None
             res.append((a, [int(t) for t in row[1:a + 2]], row[1 + T:T + a + 2], tops))
             ewma.append(row[1 + 2 * T:1 + 2 * T + G])
-        self.chooser.observe(ewma)
+            engine = row[1 + 2 * T + G:1 + 2 * T + 2 * G]
+        self.chooser.observe(ewma, engine)
         return res
 
     def step_fn(self, inp: dict[str, torch.Tensor], key: tuple, width: int | None = None,
                 ) -> torch.Tensor:
         """Draft -> verify the first ``width`` - 1 drafts (default all) -> accept -> commit for
-        every row, device ops only. Returns [B, 1 + 2T + γ] float64 (T = width): accepted
-        drafts, committed tokens (padded), logprobs, the rows' acceptance EWMA (then, with
-        top logprobs, T * TOP_LOGPROBS_MAX values and as many ids)."""
+        every row, device ops only. Returns [B, 1 + 2T + 2γ] float64 (T = width): accepted
+        drafts, committed tokens (padded), logprobs, the rows' acceptance EWMA, the engine
+        row (the same in every row; then, with top logprobs, T * TOP_LOGPROBS_MAX values and
+        as many ids)."""
         w = self.width if width is None else width
         proposal = self._propose(inp, key, w)
         return self._finish(inp, key, w, proposal, self._verify_forward(inp, proposal, w))
@@ -256,7 +259,9 @@ class SpecWorker:
         if penalized:
             kept = torch.arange(T, device=toks.device)[None] <= acc[:, None]
             count_tokens(inp["pen_counts"], inp["slot"], toks, kept)
-        ewma = self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T)[:, :self.gamma].double()
+        G = self.gamma
+        ewma = torch.cat([self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T)[:, :G],
+                          self.ewma.engine[None, :G].expand(B, G)], dim=1).double()
         self.runner.advance_inputs(inp, bonus, acc + 1, verified=True)
         if want_top:
             lp, vals, ids = chosen_and_top(logits.reshape(B * T, -1), toks.reshape(-1),
