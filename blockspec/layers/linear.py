@@ -38,9 +38,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def dense_weight(self) -> torch.Tensor:
-        """The weight as a dense [out, in] matrix (already dense here)."""
-        return self.weight
+    def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight as a dense [out, in] matrix (already dense here; ``dtype`` casts it, as
+        the quantized linears' ``dense_weight`` dequantizes to it)."""
+        return self.weight if dtype is None else self.weight.to(dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
