@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blockspec.bench import presets
+from blockspec.bench.draft_presets import build_random_draft
 from blockspec.cache import KVPool
 from blockspec.kernels.draft_kv import write_draft_kv
 from blockspec.models.draft import build_draft_model
@@ -78,9 +80,6 @@ def test_quantized_projections_stack_dequantized(mode):
     """A W4A16 draft (the published Nemotron 3.5 format) also writes its context in one GEMM:
     the stack holds its k/v projections dequantized, and the fused write matches the
     per-layer path through the quantized linears."""
-    from blockspec.bench import presets  # lazy: the bench's preset draft is the fixture
-    from blockspec.bench.draft_presets import build_random_draft  # lazy: as above
-
     dtype = torch.float32 if mode.type == "cpu" else torch.bfloat16
     model = build_random_draft("dflash-nemotron35", presets.preset_config("tiny"), 4, mode, dtype)
     model.fuse()
@@ -103,7 +102,8 @@ def test_quantized_projections_stack_dequantized(mode):
         model.write_context(feats, pos, slots, ref)              # the per-layer quantized path
         model.context_kv = saved
     assert ref.v[:, slots].abs().sum() > 0
-    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2 ** -6, "atol": 2e-2}
+    f32 = dtype == torch.float32
+    tol = {"rtol": 1e-4, "atol": 1e-4} if f32 else {"rtol": 2 ** -6, "atol": 2e-2}
     torch.testing.assert_close(fast.v.float(), ref.v.float(), **tol)
     torch.testing.assert_close(fast.k.float(), ref.k.float(), **tol)
 

@@ -25,8 +25,9 @@ rates (``accept_rates``: P(draft i accepted | drafts before it accepted), from t
 accept histogram) and, when simulated, what the profile and phases predict for the same steps;
 without phases also ``expected_decode_tok_per_s``, the tokens the profile commits on average
 at the widths the steps ran, over the decode time (the realised coins' noise removed: a batch
-1 run of 128 tokens has about 30 verifies, so its accept length varies by several per cent). ``--fixed-widths`` pins an
-adaptive engine's width for extra rows, so adaptive and the fixed widths share one engine.
+1 run of 128 tokens has about 30 verifies, so its accept length varies by several per cent).
+``--fixed-widths`` pins an adaptive engine's width for extra rows, so adaptive and the fixed
+widths share one engine.
 
 ``--json-schema`` constrains every sequence to a schema; a sequence may then end before
 ``--output-len`` (when its JSON closes), so steps are counted from the tokens produced.

@@ -37,10 +37,8 @@ def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: t
                          f"T={steps}, d_inner={d_inner}, conv_dim={conv_dim}, heads={heads}")
     if zxbcdt.stride(-1) != 1:
         zxbcdt = zxbcdt.contiguous()
-    # one block size for decode and verify alike: a verify on whole heads (64 channels) was
-    # 15-30 % faster at 48+ requests on an H200, but its C . state sums came out in another
-    # order than decode's at some shapes (tests/test_kernels.py, on the GPU), and a verify
-    # must reproduce decode bit for bit
+    # decode and verify take one block size: a verify must reproduce decode's C . state sums
+    # bit for bit, and whole-head verify blocks summed in another order on the GPU
     block_p = block_p or min(head_dim, 32)
     if head_dim % block_p or state_size & (state_size - 1) or block_p & (block_p - 1):
         raise ValueError("mamba_steps needs power-of-two head_dim blocks and state size")

@@ -144,9 +144,10 @@ class WidthChooser:
         the rows' sum plus ``engine_weight`` times the engine row, over their count."""
         if not rows:
             return
-        k = self.engine_weight if engine is not None else 0.0
-        base = engine if engine is not None else [0.0] * len(rows[0])
-        self.p = [(sum(col) + k * e) / (len(rows) + k) for col, e in zip(zip(*rows), base)]
+        k = self.engine_weight
+        if engine is None:
+            engine, k = [0.0] * len(rows[0]), 0.0
+        self.p = [(sum(col) + k * e) / (len(rows) + k) for col, e in zip(zip(*rows), engine)]
 
     def fit(self, width: int) -> int:
         """The largest candidate width <= ``width`` (at least the smallest candidate)."""
