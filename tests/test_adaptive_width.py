@@ -59,11 +59,28 @@ def test_chooser_picks_the_best_ratio_and_batch_mean():
 
 
 def test_chooser_probes_one_width_wider_now_and_then():
-    chooser = WidthChooser(range(1, 7), _cost(6), probe_every=4)
+    chooser = WidthChooser(range(1, 7), _cost(6), probe_every=4, probe_share=1.0)
     chooser.observe([[0.0] * 5])
     assert [chooser.choose(16) for _ in range(8)] == [1, 1, 1, 2, 1, 1, 1, 2]
     chooser.observe([[1.0] * 5])
     assert {chooser.choose(16) for _ in range(8)} == {6}      # nothing wider to probe
+
+
+@pytest.mark.parametrize("probe_cost", [0.05, 0.3, 1.0])
+def test_probes_cost_at_most_their_share_of_step_time(probe_cost):
+    """A probe comes every ``probe_every`` choices while it is cheap, and no more often than
+    its extra time allows once it is dear (a wide verify at a large batch)."""
+    cost = CostTable()
+    cost.measured.update({(64, 1): 1.0, (64, 2): 1.0 + probe_cost, (64, 3): 9.0})
+    chooser = WidthChooser((1, 2, 3), cost, probe_every=8, probe_share=0.01)
+    chooser.observe([[0.0, 0.0]])
+    picks = [chooser.choose(64) for _ in range(2000)]
+    probes = [i for i, w in enumerate(picks) if w == 2]
+    assert set(picks) == {1, 2} and len(probes) > 1
+    gap = max(8, -(-probe_cost // 0.01))
+    assert all(b - a == gap for a, b in zip(probes, probes[1:]))
+    extra = probe_cost * len(probes)
+    assert extra <= 0.01 * sum(cost.measured[(64, w)] for w in picks) + probe_cost
 
 
 def test_forced_widths_round_down_to_candidates():

@@ -173,12 +173,14 @@ def test_verify_then_commit_kernels_equal_decode_kernel(mode):
 
 @pytest.mark.parametrize("mode", MODES, indirect=True)
 def test_wide_batch_verify_equals_decode_steps(mode):
-    """At a batch of 48 with 64-channel heads (where a verify on whole-head blocks once broke
-    the match on the GPU) the verify's outputs and committed states are decode's bit for bit,
-    or speculation would stop being token-exact at large batch."""
-    from blockspec.kernels.mamba_step import commit_verify, mamba_steps
+    """At a batch of 48 with 64-channel heads the verify runs whole-head programs and decode
+    32-channel ones: the committed states and the outputs are still decode's bit for bit (no
+    contraction beyond the written fma), or speculation would stop being token-exact at large
+    batch."""
+    from blockspec.kernels.mamba_step import commit_verify, mamba_steps, step_config
 
     H, P, N, G, T, B = 2, 64, 16, 1, 3, 48
+    assert step_config(B, T, P) != step_config(B, 1, P)     # two layouts under test
     d_inner, C = H * P, H * P + 2 * G * N
     g = torch.Generator().manual_seed(5)
     conv_w = (torch.randn(C, 1, 4, generator=g) * 0.3).to(mode)
@@ -201,5 +203,5 @@ def test_wide_batch_verify_equals_decode_steps(mode):
     dconv, dssm = conv0[0].clone(), ssm0[0].clone()
     ys = [mamba_steps(zx[:, t], conv_state=dconv, ssm_state=dssm, slots=slots, steps=1,
                       commit=True, **kw) for t in range(T)]
-    assert torch.equal(y_verify, torch.stack(ys, dim=1))
     assert torch.equal(ssm[0], dssm) and torch.equal(conv[0], dconv)
+    assert torch.equal(y_verify, torch.stack(ys, dim=1))

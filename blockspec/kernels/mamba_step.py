@@ -16,6 +16,17 @@ from blockspec.kernels.triton_loader import interpreting, load_kernels, next_pow
 _KERNELS = Path(__file__).with_name("_mamba_step_kernels.py")
 
 
+def step_config(batch: int, steps: int, head_dim: int) -> tuple[int, int]:
+    """(head channels per program, warps) of a ``mamba_steps`` launch. A verify of 64+ rows
+    takes whole heads (up to 64 channels) on 2 warps: 2-2.4x faster than 32 channels on 4 at
+    64-128 requests on an H200 (``scripts/bench_mamba_step.py``); decode and small verifies
+    keep 32 on 4. Compiled without contraction beyond the written fma, every layout the
+    sweep tries gives decode's y and states bit for bit on the GPU."""
+    if steps > 1 and batch * steps >= 64:
+        return min(head_dim, 64), 2
+    return min(head_dim, 32), 4
+
+
 def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                 dt_bias: torch.Tensor, a_log: torch.Tensor, d_skip: torch.Tensor,
                 conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, steps: int,
@@ -27,8 +38,8 @@ def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: t
     """``zxbcdt`` [B*T, z | xBC | dt] (the in_proj output, rows b*T + t); one layer's pools
     ``conv_state`` [S, C, 3] and ``ssm_state`` [S, H, P, N] (fp32); scratch [S, T', C] and
     [S, T', H + d_inner + G * N] (fp32 step inputs, ``MambaStatePool``) for verify.
-    ``block_p`` / ``num_warps``: launch overrides for ``scripts/bench_mamba_step.py`` (decode
-    and verify must share them: the C . state sum's order follows the layout).
+    ``block_p`` / ``num_warps``: launch overrides for ``scripts/bench_mamba_step.py``
+    (default ``step_config``).
     Returns y [B*T, d_inner] fp32 (D skip included)."""
     rows, width = zxbcdt.shape
     conv_dim = d_inner + 2 * groups * state_size
@@ -37,9 +48,8 @@ def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: t
                          f"T={steps}, d_inner={d_inner}, conv_dim={conv_dim}, heads={heads}")
     if zxbcdt.stride(-1) != 1:
         zxbcdt = zxbcdt.contiguous()
-    # decode and verify take one block size: a verify must reproduce decode's C . state sums
-    # bit for bit, and whole-head verify blocks summed in another order on the GPU
-    block_p = block_p or min(head_dim, 32)
+    auto_p, auto_w = step_config(slots.shape[0], steps, head_dim)
+    block_p, num_warps = block_p or auto_p, num_warps or auto_w
     if head_dim % block_p or state_size & (state_size - 1) or block_p & (block_p - 1):
         raise ValueError("mamba_steps needs power-of-two head_dim blocks and state size")
     y = torch.empty(rows, d_inner, dtype=torch.float32, device=zxbcdt.device)
@@ -52,7 +62,8 @@ def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: t
                          f"[S, T', {heads + d_inner + groups * state_size}] (contiguous rows)")
     ssm_s = step_scratch if step_scratch is not None else ssm_state
     xbc_s = xbc_scratch if xbc_scratch is not None else conv_state
-    extra = {} if interpreting() else {"num_warps": num_warps or 4}
+    # no contraction beyond the written fma: every layout rounds the state update alike
+    extra = {} if interpreting() else {"num_warps": num_warps, "enable_fp_fusion": False}
     kernels = load_kernels(_KERNELS)
     kernels._mamba_steps_kernel[(slots.shape[0], heads, head_dim // block_p)](
         zxbcdt, conv_weight.reshape(conv_dim, -1), conv_bias if conv_bias is not None else d_skip,
@@ -105,4 +116,4 @@ def commit_verify(conv: torch.Tensor, ssm: torch.Tensor, xbc_scratch: torch.Tens
         xbc_scratch.stride(1), xbc_scratch.stride(2), H=H, P=P, N=N, G=groups, W=width,
         KEEP=keep, BLOCK_J=next_pow2(keep, 2), BLOCK_P=block_p, BLOCK_N=block_n,
         BLOCK_C=block_c, SSM_CHUNKS=ssm_chunks,
-        **({} if interpreting() else {"num_warps": num_warps or 1}))
+        **({} if interpreting() else {"num_warps": num_warps or 1, "enable_fp_fusion": False}))

@@ -13,14 +13,18 @@ w chosen for the whole batch to maximise expected committed tokens per second.
 * Choice (``WidthChooser``): E[w] = 1 + sum_{i < w-1} prod_{j <= i} p_j, with p the batch's
   rows pooled with ``ENGINE_WEIGHT`` rows' worth of the engine row (a lone request's coin
   flips then do not swing the width); argmax_w E[w] / step_time(b, w) over the captured
-  widths. Every ``probe_every``-th choice takes the next wider width instead, so positions
+  widths. Now and then a choice takes the next wider width instead (a probe), so positions
   the chosen width never verifies (all of them at width 1) are measured again and a batch
-  that fell back to plain decoding finds out when its drafts recover. No host sync is
+  that fell back to plain decoding finds out when its drafts recover: at most every
+  ``probe_every``-th choice, and only as often as the probes' extra step time stays within
+  ``PROBE_SHARE`` of the steps' (at 128 requests a width-2 probe costs most of a width-1
+  step, so it comes about every 90 steps rather than every 32). No host sync is
   added: with launch-ahead, step k + 1 is launched before step k is read back, so its width
   uses the EWMA of step k - 1.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -34,7 +38,8 @@ DRAFT_SHARE, ROWS_KNEE = 0.15, 256.0
 PRIOR = 0.8             # the engine row before any verify (every position)
 ENGINE_ALPHA = 0.05     # the engine row's EWMA rate per step (the rows': 0.25)
 ENGINE_WEIGHT = 4.0     # request rows' worth of the engine row in the chooser's pooled p
-PROBE_EVERY = 32        # every this many choices, one width wider than the best
+PROBE_EVERY = 32        # at most every this many choices, one width wider than the best
+PROBE_SHARE = 0.01      # the probes' extra step time, as a share of the steps' time
 
 
 def candidate_widths(max_width: int, adaptive: bool, budget: int = WIDTH_BUDGET) -> tuple[int, ...]:
@@ -99,28 +104,41 @@ class CostTable:
 
     def __init__(self) -> None:
         self.measured: dict[tuple[int, int], float] = {}
+        # time()'s answers while no entry is added (each choice asks for every width)
+        self._lookup: dict[tuple[int, int], float] = {}
+        self._entries = 0
 
     @staticmethod
     def analytic(bs: int, width: int) -> float:
         return 1.0 + (DRAFT_SHARE if width > 1 else 0.0) + bs * width / ROWS_KNEE
 
     def measure(self, bs: int, width: int, replay: Callable[[], object], device: torch.device,
-                reps: int = 3) -> float:
-        """Time ``reps`` replays of a captured step (its inputs are the dummy rows)."""
+                reps: int = 5) -> float:
+        """The median of ``reps`` timed replays of a captured step (its inputs are the dummy
+        rows): one slow replay (a clock change, another process) does not skew the table."""
         replay()
         torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        times = []
         for _ in range(reps):
+            t0 = time.perf_counter()
             replay()
-        torch.cuda.synchronize(device)
-        self.measured[(bs, width)] = (time.perf_counter() - t0) / reps
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        self.measured[(bs, width)] = statistics.median(times)
         return self.measured[(bs, width)]
 
     def time(self, bs: int, width: int) -> float:
         """Measured at the smallest measured batch >= ``bs`` with this width, else analytic
         (a mix never happens: graphs capture every width of a size together)."""
-        sizes = sorted(s for s, w in self.measured if w == width and s >= bs)
-        return self.measured[(sizes[0], width)] if sizes else self.analytic(bs, width)
+        if len(self.measured) != self._entries:
+            self._lookup.clear()
+            self._entries = len(self.measured)
+        got = self._lookup.get((bs, width))
+        if got is None:
+            sizes = sorted(s for s, w in self.measured if w == width and s >= bs)
+            got = self.measured[(sizes[0], width)] if sizes else self.analytic(bs, width)
+            self._lookup[(bs, width)] = got
+        return got
 
 
 class WidthChooser:
@@ -129,14 +147,17 @@ class WidthChooser:
     that is not a candidate runs at the largest candidate below it."""
 
     def __init__(self, widths: Sequence[int], cost: CostTable, prior: float = PRIOR,
-                 probe_every: int = PROBE_EVERY, engine_weight: float = ENGINE_WEIGHT) -> None:
+                 probe_every: int = PROBE_EVERY, engine_weight: float = ENGINE_WEIGHT,
+                 probe_share: float = PROBE_SHARE) -> None:
         self.widths = tuple(sorted(widths))
         self.max_width = self.widths[-1]
         self.cost = cost
         self.p = [prior] * max(self.max_width - 1, 1)
         self.probe_every, self.engine_weight = probe_every, engine_weight
+        self.probe_share = probe_share
         self.force: Iterator[int] | None = None
-        self._choices = 0
+        self._since_probe = 0
+        self._bank = 0.0        # step time saved up for the next probe's extra cost
 
     def observe(self, rows: Sequence[Sequence[float]],
                 engine: Sequence[float] | None = None) -> None:
@@ -160,7 +181,14 @@ class WidthChooser:
         if len(self.widths) == 1:
             return self.widths[0]
         best = max(self.widths, key=lambda w: expected_tokens(self.p, w) / self.cost.time(bs, w))
-        self._choices += 1
-        if self.probe_every and self._choices % self.probe_every == 0 and best < self.max_width:
-            return self.widths[self.widths.index(best) + 1]
+        if not self.probe_every or best == self.max_width:
+            return best
+        wider = self.widths[self.widths.index(best) + 1]
+        t_best = self.cost.time(bs, best)
+        extra = max(self.cost.time(bs, wider) - t_best, 0.0)
+        self._since_probe += 1
+        self._bank = min(self._bank + self.probe_share * t_best, extra)
+        if self._since_probe >= self.probe_every and self._bank >= extra:
+            self._since_probe, self._bank = 0, 0.0
+            return wider
         return best
