@@ -375,8 +375,8 @@ def test_fused_projections_match_separate_ones():
     fused = copy.deepcopy(plain)
     fused.fuse()
     attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
-    assert attn.qkv_weight is not None and mlp.gate_up_weight is not None
-    assert attn.k_proj.weight.data_ptr() == attn.qkv_weight[NH * D:].data_ptr()
+    assert attn.qkv is not None and mlp.gate_up is not None
+    assert attn.k_proj.weight.data_ptr() == attn.qkv.weight[NH * D:].data_ptr()
     g = torch.Generator().manual_seed(5)
     feat = torch.randn(6, K * H, generator=g)
     pos = torch.arange(3, 9)

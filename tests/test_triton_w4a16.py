@@ -139,6 +139,37 @@ def test_dense_v2_interpreter(interpreter, variant, m, n, k, cfg):
     assert _rel(y, tw.w4a16_linear_reference(x, p, s, s2)) <= 1e-2
 
 
+def _stacked_rows(parts):
+    """Sibling weights stacked by rows, with one global scale per row."""
+    return (torch.cat([p for p, _, _ in parts]), torch.cat([s for _, s, _ in parts]),
+            torch.cat([s2.reshape(1).expand(p.shape[0]) for p, _, s2 in parts]))
+
+
+@needs_triton
+@pytest.mark.parametrize("m, cfg", [(3, {"block_n": 32, "block_k": 64}),
+                                    (5, {"split_k": 2, "block_n": 32, "block_k": 64}),
+                                    (33, {})])
+def test_dense_per_row_global_scale_interpreter(interpreter, m, cfg):
+    """Three projections with their own weight_scale_2, stacked by rows: one call with a
+    global scale per row gives each projection's own product (split-K and the swapped
+    large-M form included), and a wrong count of scales is refused."""
+    parts = [_weights(n, 128, seed=20 + i, scale=0.05 * (1 + 3 * i))
+             for i, n in enumerate((64, 32, 32))]
+    assert len({float(s2) for _, _, s2 in parts}) == 3
+    p, s, s2 = _stacked_rows(parts)
+    x = torch.randn(m, 128, generator=torch.Generator().manual_seed(9)).bfloat16()
+    y = tw.w4a16_linear(x, p, s, s2, **cfg)
+    exact = torch.cat([x.float() @ _exact(pp, ss, ss2, torch.float32).T for pp, ss, ss2 in parts],
+                      dim=-1)
+    assert y.shape == (m, 128) and _rel(y, exact) <= 3e-3
+    for lo, hi in ((0, 64), (64, 96), (96, 128)):   # each projection on its own scale
+        assert _rel(y[:, lo:hi], exact[:, lo:hi]) <= 3e-3
+    torch.testing.assert_close(tw.w4a16_linear_reference(x, p, s, s2).float(),
+                               exact.bfloat16().float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="one per output row"):
+        tw.w4a16_linear(x, p, s, s2[:100])
+
+
 @needs_triton
 @pytest.mark.parametrize("variant", ["v2", "v2w"])
 def test_grouped_v2_interpreter(interpreter, variant):
@@ -222,6 +253,23 @@ def test_dense_kernel_gpu(variant, n, k, m):
     ref = tw.w4a16_linear_reference(x, p, s, s2)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     assert _rel(y, ref) <= 1e-2
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("m", [1, 7, 56])
+def test_dense_per_row_global_scale_gpu(m):
+    """The draft's stacked q/k/v at the published Nemotron 3.5 size: one launch with a global
+    scale per row against each projection's own reference."""
+    parts = [_gpu_weights(n, 2688) for n in (4096, 1024, 1025)]
+    parts[1] = (parts[1][0], parts[1][1], parts[1][2] * 4)   # distinct global scales
+    p, s, s2 = _stacked_rows(parts)
+    x = torch.randn(m, 2688, device="cuda", dtype=torch.bfloat16)
+    y = tw.w4a16_linear(x, p, s, s2)
+    ref = torch.cat([tw.w4a16_linear_reference(x, *part) for part in parts], dim=-1)
+    for lo, hi in ((0, 4096), (4096, 5120), (5120, 6145)):
+        assert _rel(y[:, lo:hi], ref[:, lo:hi]) <= 1e-2
 
 
 @gpu

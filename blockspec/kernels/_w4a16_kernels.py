@@ -47,7 +47,7 @@ def _w4a16_v2_kernel(
     X_PER_PAIR: tl.constexpr = False, DEDUP: tl.constexpr = False,
     RELU2: tl.constexpr = False, DISTINCT: tl.constexpr = False, SHARED: tl.constexpr = 0,
     SHARED_BASE: tl.constexpr = 0, N_INNER: tl.constexpr = False,
-    X_PERM: tl.constexpr = False,
+    X_PERM: tl.constexpr = False, COL_SCALE: tl.constexpr = False,
 ):
     if N_INNER:  # grid (N tiles, row blocks): a row block's N tiles run side by side
         pid_b = tl.program_id(1)
@@ -125,8 +125,10 @@ def _w4a16_v2_kernel(
         rmask = out_rows < M
         x_rows = out_rows
         expert = 0
-    # weight_scale_2, times the 2^8 that the exact decode below leaves out.
-    gscale = tl.load(ws2_ptr + expert) * 256.0
+    # weight_scale_2, times the 2^8 that the exact decode below leaves out (COL_SCALE: one
+    # per output column, below, for sibling projections stacked into one weight).
+    if not COL_SCALE:
+        gscale = tl.load(ws2_ptr + expert) * 256.0
 
     QK: tl.constexpr = BLOCK_K // 4       # uint16 words of W (int64 words of x) per slice
     GROUPS: tl.constexpr = BLOCK_K // 16  # scale bytes per slice
@@ -140,6 +142,8 @@ def _w4a16_v2_kernel(
     RANK3: tl.constexpr = SLICES > 1      # slices of K side by side: a batched dot
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < N
+    if COL_SCALE:
+        gscale = (tl.load(ws2_ptr + cols, mask=nmask, other=0.0) * 256.0)[None, :]
     jq = tl.arange(0, QK)
     jg = tl.arange(0, GS)
     w_base = (w_ptr + expert * stride_we).to(tl.pointer_type(tl.uint16))

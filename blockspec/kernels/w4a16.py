@@ -3,20 +3,17 @@
 One kernel (``_w4a16_kernels.py``, which says how it decodes) serves every shape of use:
 
 - dense: ``y[M, N] = x[M, K] @ W^T`` with ``W`` packed [N, K/2] (+ [N, K/16] E4M3 scales and a
-  0-dim global scale);
+  0-dim global scale, or one per row [N]: sibling projections stacked, never dequantized);
 - grouped (MoE): rows of ``x`` sorted by expert, ``expert_offsets[e]:expert_offsets[e+1]`` are
   expert e's rows, weights stacked [E, N, K/2] / [E, N, K/16] / [E];
 - pairs (MoE at decode): one block per (token, expert) pair, no sort (``pair_w4a16``).
 
-Packed weights come in the kernel's layout (``kernels/w4a16_layout.to_kernel_layout``: the
-checkpoint's bits moved within each 16-bit word; shapes, K order and scales unchanged). Every
-function here, the ``_reference`` ones included, takes that layout; ``NVFP4Linear`` and the
-MoE's stacked experts convert once after loading. The layout lets the inline-PTX decode make
-8 weights from 9 integer ops and 4 bf16x2 multiplies (the K loop of a verify's MoE call: 3.3
-SASS instructions per weight, against 3.8 with the checkpoint's nibbles;
-``scripts/sass_w4a16.py``). M <= 16 uses mma with the weights as B; larger M swaps to
-``W @ x^T`` so wgmma reads x from shared memory (``v2_default_config``). Small N (experts:
-N = 1856 or 2688) is split along K so that enough programs cover the GPU.
+Every function here (``_reference`` ones too) takes packed weights in the kernel's layout
+(``w4a16_layout.to_kernel_layout``: the checkpoint's bits moved within each 16-bit word),
+converted once after loading. It lets the inline-PTX decode make 8 weights from 9 integer ops
+and 4 bf16x2 multiplies (a verify's MoE K loop: 3.3 SASS instructions per weight, 3.8 with
+the checkpoint's nibbles; ``scripts/sass_w4a16.py``). M <= 16 uses mma with the weights as B,
+larger M ``W @ x^T`` (wgmma reads x from shared memory); small N is split along K.
 
 Variants (``variant=`` or ``BLOCKSPEC_W4A16_VARIANT``; default ``v2``): ``v2`` as above, ``v2w``
 always swapped (wgmma), ``v2t`` the decode by Triton ops instead of PTX (comparisons). At
@@ -52,8 +49,7 @@ _KERNELS = Path(__file__).with_name("_w4a16_kernels.py")
 _DEC_TRITON, _DEC_ASM, _DEC_FP32 = 0, 1, 2
 
 
-def v2_kernel():
-    """The jitted v2 kernel for the current mode (compiled, or the interpreter's)."""
+def v2_kernel():   # the jitted v2 kernel for the current mode (compiled, or the interpreter's)
     return load_kernels(_KERNELS)._w4a16_v2_kernel
 
 
@@ -70,8 +66,8 @@ def _pick_split_k(programs: int, k: int, block_k: int, sms: int, waves: float = 
 
 
 # Tile counters of the in-kernel split-K reduction, per (device, stream): the last CTA of a tile
-# resets its counter, so they stay zero between launches; one buffer per stream keeps
-# concurrent streams apart. Allocate them (run once) before capturing a CUDA graph.
+# resets its counter, so they stay zero between launches (one buffer per stream). Allocate
+# them (run once) before capturing a CUDA graph.
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -229,7 +225,7 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         EVEN_N=n % block_n == 0,
         MASK_K=interpret or k % chunk != 0, SCALE_WORDS=k % 64 == 0 and block_k >= 128,
         K_ITERS=k_per_split // chunk if interpret else 0, RELU2=relu2,
-        **extra,
+        COL_SCALE=tables is None and pairs is None and ws2.numel() > 1, **extra,
     )
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
@@ -304,12 +300,16 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     cfg = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": num_warps,
            "num_stages": num_stages}
     variant = _variant(variant)
-    ws2 = weight_scale_2.reshape(1).to(torch.float32)
+    per_row = weight_scale_2.numel() > 1     # stacked siblings (quant.linear.stack_nvfp4_rows)
+    if per_row and (weight_scale_2.numel() != n or dequant):
+        raise ValueError(f"weight_scale_2 holds {weight_scale_2.numel()} values: one, or one per "
+                         f"output row ({n}) and no dequant=True, expected")
+    ws2 = weight_scale_2.reshape(-1).to(torch.float32).contiguous()
     w, s = weight.contiguous(), weight_scale.contiguous()
     pre = prefill_config("dense", n, k, m) if is_dense_prefill(m, n, k) else {}
     pre_m = pre.pop("block_m", None)
     block_m = block_m or pre_m or _builtin_v2_config(n, k, m)["block_m"]
-    table_says = pre.pop("dequant", False)   # measured on sm90 bf16: where grouped_mm runs
+    table_says = pre.pop("dequant", False) and not per_row   # measured on sm90 bf16
     if (table_says if dequant is None else dequant) and grouped_mm_ok(x2):
         y = dequant_linear(x2, w, s, ws2, relu2)
     else:
@@ -326,7 +326,8 @@ def w4a16_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """Pure torch ``w4a16_linear`` (same arguments, kernel layout): exact fp32 dequant, cast to
     x's dtype, ``F.linear``."""
-    w = dequantize_nvfp4(from_kernel_layout(weight), weight_scale, weight_scale_2, dtype=x.dtype)
+    s2 = weight_scale_2.reshape(-1, 1) if weight_scale_2.numel() > 1 else weight_scale_2
+    w = dequantize_nvfp4(from_kernel_layout(weight), weight_scale, s2, dtype=x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 

@@ -21,7 +21,7 @@ from blockspec.checkpoint import logical_linear_weight_shape
 from blockspec.configs.draft import DraftConfig, DraftConfigError
 from blockspec.kernels.draft_kv import draft_block_qkv, draft_block_qkv_reference, write_draft_kv
 from blockspec.kernels.triton_loader import use_triton
-from blockspec.layers.fused_linear import fuse_linears
+from blockspec.layers.fused_linear import FusedLinear, fuse_linears
 from blockspec.layers.linear import QuantPlan, build_linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
@@ -107,7 +107,7 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.rotary = RotaryEmbedding(d, cfg.rope_thetas[layer_idx])
-        self.qkv_weight: torch.Tensor | None = None     # set by fuse(): [q; k; v] rows
+        self.qkv: FusedLinear | None = None     # set by fuse(): [q; k; v] rows
         if cfg.attention_sink_bias:
             self.attention_sink_bias = nn.Parameter(torch.zeros(nh, dtype=torch.float32),
                                                     requires_grad=False)
@@ -116,7 +116,7 @@ class DraftAttention(nn.Module):
 
     def fuse(self) -> None:
         """Serving: q/k/v (and k/v for the context) as one GEMM each (``fuse_linears``)."""
-        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def _kv_rows(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,8 +126,8 @@ class DraftAttention(nn.Module):
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (k_norm + RoPE) and V of ``x [..., T, H]`` at ``positions [..., T]``."""
-        if self.qkv_weight is not None:
-            kv = F.linear(x, self.qkv_weight[self.num_heads * self.head_dim:])
+        if self.qkv is not None:
+            kv = self.qkv.rows(self.num_heads * self.head_dim)(x)
             return self._kv_rows(*kv.split(self.num_kv_heads * self.head_dim, dim=-1), positions)
         return self._kv_rows(self.k_proj(x), self.v_proj(x), positions)
 
@@ -149,9 +149,9 @@ class DraftAttention(nn.Module):
         draft context pool at the block positions (beyond the committed length, so a later
         commit overwrites them) and each row attends to context + block."""
         n = hn.shape[0]
-        if self.qkv_weight is not None:
-            qkv = F.linear(hn, self.qkv_weight)
-        else:       # projections that do not fuse (quantized, biased): Q, K, V heads per row
+        if self.qkv is not None:
+            qkv = self.qkv(hn)
+        else:       # projections that do not fuse (biased, FP8): Q, K, V heads per row
             qkv = torch.cat([self.q_proj(hn), self.k_proj(hn), self.v_proj(hn)], dim=-1)
         # both norms, both rotaries and the block's cache write: one launch on the GPU
         write = draft_block_qkv if use_triton(hn) else draft_block_qkv_reference
@@ -172,14 +172,14 @@ class DraftMLP(nn.Module):
         self.gate_proj = build_linear(f"{p}.gate_proj", h, i, False, quant, dtype)
         self.up_proj = build_linear(f"{p}.up_proj", h, i, False, quant, dtype)
         self.down_proj = build_linear(f"{p}.down_proj", i, h, False, quant, dtype)
-        self.gate_up_weight: torch.Tensor | None = None   # set by fuse(): [gate; up] rows
+        self.gate_up: FusedLinear | None = None   # set by fuse(): [gate; up] rows
 
     def fuse(self) -> None:
-        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -405,7 +405,7 @@ class DFlashDraftModel(nn.Module):
                 or len({a.k_norm.eps for a in attns}) != 1):
             return None
         dtype = self.norm.weight.dtype
-        kv = torch.cat([a.qkv_weight[a.num_heads * a.head_dim:] if a.qkv_weight is not None
+        kv = torch.cat([a.qkv.rows(a.num_heads * a.head_dim).dense(dtype) if a.qkv is not None
                         else torch.cat([a.k_proj.dense_weight(dtype), a.v_proj.dense_weight(dtype)])
                         for a in attns])
         norm = torch.stack([a.k_norm.weight for a in attns])

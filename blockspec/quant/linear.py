@@ -408,3 +408,28 @@ def stack_nvfp4_experts(modules: list[NVFP4Linear],
         m.weight_scale = scale[e]
         m.weight_scale_2 = scale2[e]
     return weight, scale, scale2
+
+
+def stack_nvfp4_rows(modules: list[NVFP4Linear]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Sibling NVFP4 Linears of one input (q/k/v, gate/up) as one weight: ``[sum(out), K/2]``
+    packed in the W4A16 kernel's layout, ``[sum(out), K/16]`` scales and one global scale per
+    row (``w4a16_linear`` takes it per row, so the projections keep their own). Each module's
+    buffers become views of its rows, as in ``stack_nvfp4_experts``. None when any module is
+    not a bias-free NVFP4Linear or the input widths differ."""
+    if not modules or not all(type(m) is NVFP4Linear and m.bias is None for m in modules):
+        return None
+    if len({m.in_features for m in modules}) != 1:
+        return None
+    weight = torch.cat([m.checkpoint_weight() for m in modules])
+    scale = torch.cat([m.weight_scale for m in modules])
+    scale2 = torch.cat([m.weight_scale_2.reshape(1).to(torch.float32).expand(m.out_features)
+                        for m in modules])
+    to_kernel_layout_(weight)
+    row = 0
+    for m in modules:
+        n = m.out_features
+        m.weight, m.weight_scale = weight[row:row + n], scale[row:row + n]
+        m.kernel_layout = True
+        row += n
+    return weight, scale, scale2
