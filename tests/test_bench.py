@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockspec.bench.bench_args import add_arguments
-from blockspec.bench.engine_bench import run, step_weight_bytes
+from blockspec.bench.engine_bench import decode_window, run, step_weight_bytes
 
 
 def _args(**kw):
@@ -33,6 +33,17 @@ def test_bench_reports_consistent_numbers(tmp_path):
             r["weight_bytes_per_step"], rel=1e-2)
         assert r["pct_of_floor"] == pytest.approx(
             100 * r["floor_step_ms_at_4.8TBps"] / r["step_ms"], rel=2e-2)
+
+
+def test_decode_window_is_the_runs_own_when_one_prefill_gave_every_first_token():
+    def outs(*pairs):
+        return [{"meta_info": {"ttft": t, "e2e_latency": e}} for t, e in pairs]
+
+    # one prefill: first tokens together, the window runs from the last of them to the last finish
+    assert decode_window(outs((0.100, 1.0), (0.1002, 1.2), (0.1001, 0.9))) == pytest.approx(1.0998)
+    # chunks interleaved with decode steps: no clean start, the caller subtracts a prefill run
+    assert decode_window(outs((0.1, 1.0), (0.4, 1.2))) is None
+    assert decode_window(outs((0.1, 0.1))) is None
 
 
 @pytest.mark.parametrize("kind, tau", [("dflash", 2.6), ("dspark", 3.2)])
