@@ -35,6 +35,28 @@ def test_bench_reports_consistent_numbers(tmp_path):
             100 * r["floor_step_ms_at_4.8TBps"] / r["step_ms"], rel=2e-2)
 
 
+@pytest.mark.parametrize("chunk, prefill_runs", [(None, 0), (8, 2)])
+def test_prefill_only_runs_happen_only_when_chunks_interleave(monkeypatch, chunk, prefill_runs):
+    """One prefill for every prompt: decode is the runs' own window and no prefill-only run is
+    made. Prompts of one chunk each (8 tokens, chunk 8): the second prefills beside the first's
+    decode steps, so a prefill-only run per repeat is subtracted instead."""
+    from blockspec.engine import Engine
+
+    calls = []
+    real = Engine.generate
+
+    def spy(self, *a, **kw):
+        calls.append(kw["sampling_params"]["max_new_tokens"])
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Engine, "generate", spy)
+    extra = {} if chunk is None else {"chunked_prefill_size": chunk}
+    (row,) = run(_args(device="cpu", input_len=8, output_len=6, batch_size=[2], repeats=2,
+                       **extra))
+    assert calls.count(1) == prefill_runs and calls.count(6) == 3      # warm-up + 2 timed
+    assert row["decode_s"] > 0 and 0 < row["prefill_s"]
+
+
 def test_decode_window_is_the_runs_own_when_one_prefill_gave_every_first_token():
     def outs(*pairs):
         return [{"meta_info": {"ttft": t, "e2e_latency": e}} for t, e in pairs]

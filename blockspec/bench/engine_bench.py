@@ -190,10 +190,10 @@ def decode_window(outs: list[dict]) -> float | None:
 def measure(engine, batch: int, args: argparse.Namespace) -> dict:
     """Median decode time of ``repeats`` runs of ``batch`` random prompts, each run's own
     window from its last first token to its last finish when one prefill gave every request its
-    first token (at batch 1 always), else the run minus a prefill-only run (prefill chunks then
-    interleave with other requests' decode steps: the batch has no clean first-token time).
-    A separate prefill run's time varies by a few decode steps at small batches, so it is
-    subtracted only where it must be."""
+    first token (at batch 1 always; prefill time is then the runs' own last first token), else
+    the run minus a prefill-only run (prefill chunks then interleave with other requests'
+    decode steps: the batch has no clean first-token time). A separate prefill run's time
+    varies by a few decode steps at small batches, so it is run only where it must be."""
     g = torch.Generator().manual_seed(batch)
     vocab = engine.config.vocab_size
     prompts = [torch.randint(3, vocab, (args.input_len,), generator=g).tolist() for _ in range(batch)]
@@ -209,15 +209,16 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
         return time.perf_counter() - t0, outs
 
     timed(sp)                                              # warm-up: allocations, graph capture
-    prefill = statistics.median(timed({**sp, "max_new_tokens": 1})[0] for _ in range(args.repeats))
     runs = [timed(sp) for _ in range(args.repeats)]
-    total = statistics.median(r[0] for r in runs)
     outs = runs[0][1]
     windows = [decode_window(r[1]) for r in runs]
     if all(w is not None for w in windows):
         decode = statistics.median(windows)
-    else:
-        decode = max(total - prefill, 1e-9)
+        prefill = statistics.median(max(o["meta_info"]["ttft"] for o in r[1]) for r in runs)
+    else:   # chunks interleaved with decode: a prefill-only run subtracted
+        prefill = statistics.median(timed({**sp, "max_new_tokens": 1})[0]
+                                    for _ in range(args.repeats))
+        decode = max(statistics.median(r[0] for r in runs) - prefill, 1e-9)
     new_tokens = sum(len(o["output_ids"]) for o in outs) - len(outs)     # first token is prefill's
     if engine.drafter is not None:
         steps = max(o["meta_info"]["spec_verify_ct"] for o in outs)

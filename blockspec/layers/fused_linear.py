@@ -12,12 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.kernels.triton_loader import triton_available
 from blockspec.kernels.w4a16 import w4a16_linear, w4a16_linear_reference
 from blockspec.layers.linear import Linear
-from blockspec.quant.linear import stack_nvfp4_rows
-from blockspec.quant.nvfp4 import dequantize_nvfp4
-from blockspec.kernels.w4a16_layout import from_kernel_layout
+from blockspec.quant.linear import stack_nvfp4_rows, w4a16_runs
 
 
 class FusedLinear:
@@ -36,7 +33,7 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.quantized:
             return F.linear(x, self.weight)
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and triton_available():
+        if w4a16_runs(x):
             return w4a16_linear(x, self.weight, self.scale, self.scale2)
         return w4a16_linear_reference(x, self.weight, self.scale, self.scale2)
 
@@ -46,13 +43,6 @@ class FusedLinear:
         if not self.quantized:
             return FusedLinear(self.weight[sl])
         return FusedLinear(self.weight[sl], self.scale[sl], self.scale2[sl])
-
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The stacked weight in ``dtype`` (NVFP4: dequantized exactly, row by row's scale)."""
-        if not self.quantized:
-            return self.weight.to(dtype)
-        return dequantize_nvfp4(from_kernel_layout(self.weight), self.scale,
-                                self.scale2.reshape(-1, 1), dtype=dtype)
 
 
 def fuse_linears(*modules: nn.Module) -> FusedLinear | None:

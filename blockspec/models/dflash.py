@@ -405,9 +405,9 @@ class DFlashDraftModel(nn.Module):
                 or len({a.k_norm.eps for a in attns}) != 1):
             return None
         dtype = self.norm.weight.dtype
-        kv = torch.cat([a.qkv.rows(a.num_heads * a.head_dim).dense(dtype) if a.qkv is not None
-                        else torch.cat([a.k_proj.dense_weight(dtype), a.v_proj.dense_weight(dtype)])
-                        for a in attns])
+        # (fused or not, each projection's own weight: fusing leaves it a view of its rows)
+        kv = torch.cat([w for a in attns
+                        for w in (a.k_proj.dense_weight(dtype), a.v_proj.dense_weight(dtype))])
         norm = torch.stack([a.k_norm.weight for a in attns])
         freq = torch.stack([a.rotary.inv_freq.to(torch.float32) for a in attns])
         return kv, norm, freq, attns[0].k_norm.eps

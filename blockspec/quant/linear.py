@@ -96,6 +96,14 @@ def _logical_from(found: tuple[int, ...], factor: int) -> list[int] | str:
     return [found[0], found[1] * factor]
 
 
+def w4a16_runs(x: torch.Tensor) -> bool:
+    """Whether the W4A16 kernel takes ``x`` (16-bit on CUDA, Triton importable); elsewhere an
+    NVFP4 product runs on the exactly dequantized weight. triton_available, not use_triton:
+    the kernel also runs with gradients enabled, where use_triton would fall back to
+    dequantizing the whole weight."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and triton_available()
+
+
 class NVFP4Linear(_QuantBase):
     """NVFP4 weight (``w4a16_nvfp4``, or ``nvfp4`` = W4A4 checkpoint run as W4A16)."""
 
@@ -151,13 +159,8 @@ class NVFP4Linear(_QuantBase):
             state_dict = {**state_dict, key: to_kernel_layout(state_dict[key])}
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _triton_ok(self, x: torch.Tensor) -> bool:
-        # triton_available, not use_triton: the kernel also runs with gradients enabled, where
-        # use_triton would fall back to dequantizing the whole weight
-        return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and triton_available()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._triton_ok(x):
+        if w4a16_runs(x):
             return w4a16_linear(x, self.kernel_weight(), self.weight_scale,
                                 self.weight_scale_2, self.bias)
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -166,7 +169,7 @@ class NVFP4Linear(_QuantBase):
     def forward_relu2(self, x: torch.Tensor) -> torch.Tensor | None:
         """relu(forward(x))^2 with the square in the W4A16 kernel's epilogue (one launch for
         an expert's up projection), or None where that kernel does not run."""
-        if self.bias is None and self._triton_ok(x):
+        if self.bias is None and w4a16_runs(x):
             return w4a16_linear(x, self.kernel_weight(), self.weight_scale,
                                 self.weight_scale_2, relu2=True)
         return None
