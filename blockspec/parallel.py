@@ -44,17 +44,34 @@ SINGLE = TPGroup()
 
 def init_tp(init_method: str = "env://", rank: int | None = None,
             world_size: int | None = None, backend: str | None = None,
-            timeout: float | None = None) -> TPGroup:
+            timeout: float | None = None, rendezvous_timeout: float | None = None) -> TPGroup:
     """Join (or reuse) the default process group and return the whole world as one TP group.
     With ``env://`` the rank and size come from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT;
     the backend defaults to NCCL when CUDA is present, else gloo. ``timeout`` (seconds) bounds
-    the rendezvous and every collective: a rank that stops answering fails the others."""
+    every collective: a rank that stops answering fails the others. ``rendezvous_timeout``
+    (``tcp://`` with a rank) bounds the meeting separately: ranks that start slowly (spawned
+    processes importing torch on a busy machine) must not be held to a short collective
+    timeout. Rank 0 then serves the TCP store and waits for every rank to reach it before any
+    process group exists."""
     if not dist.is_initialized():
+        if dist.get_pg_count() > 0:
+            # A failed start left torch.distributed's group counter advanced: this process
+            # would name its groups differently from fresh ranks and wait on keys they never
+            # write. Only a new process starts clean.
+            raise RuntimeError("torch.distributed: an earlier process-group start failed in "
+                               "this process; start tensor parallelism from a new process")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        kwargs = {} if rank is None else {"rank": rank, "world_size": world_size}
+        kwargs: dict = {} if rank is None else {"rank": rank, "world_size": world_size}
         if timeout is not None:
             kwargs["timeout"] = timedelta(seconds=timeout)
-        dist.init_process_group(backend, init_method=init_method, **kwargs)
+        if rendezvous_timeout is not None and rank is not None and init_method.startswith("tcp://"):
+            host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+            kwargs["store"] = dist.TCPStore(host, int(port), world_size, is_master=rank == 0,
+                                            timeout=timedelta(seconds=rendezvous_timeout),
+                                            wait_for_workers=True)
+            dist.init_process_group(backend, **kwargs)
+        else:
+            dist.init_process_group(backend, init_method=init_method, **kwargs)
     return TPGroup(rank=dist.get_rank(), size=dist.get_world_size(), group=None)
 
 

@@ -37,8 +37,8 @@ from blockspec.runtime.tp_worker import MirroredDrafter, MirroredRunner, PlanCha
 from blockspec.speculative.worker import build_spec_worker
 
 log = logging.getLogger("blockspec")
-COLLECTIVE_TIMEOUT_S = 600.0   # a collective (or the rendezvous) waiting longer fails its rank
-START_TIMEOUT_S = 600.0        # workers not ready (joined, loaded, built) by then: give up
+COLLECTIVE_TIMEOUT_S = 600.0   # a collective waiting longer fails its rank
+START_TIMEOUT_S = 600.0        # workers not ready (met, joined, loaded, built) by then: give up
 STOP_TIMEOUT_S = 30.0          # a worker still running this long after "stop" is terminated
 PLAN_TIMEOUT = timedelta(days=365)   # workers wait for the next plan as long as the engine idles
 
@@ -66,7 +66,8 @@ def _free_port() -> int:
 def _join(rank: int, size: int, addr: str, device: str, timeout: float,
           ep: bool) -> tuple[TPGroup, PlanChannel]:
     tp = replace(init_tp(f"tcp://{addr}", rank=rank, world_size=size,
-                         backend="nccl" if device == "cuda" else "gloo", timeout=timeout), ep=ep)
+                         backend="nccl" if device == "cuda" else "gloo", timeout=timeout,
+                         rendezvous_timeout=START_TIMEOUT_S), ep=ep)
     plans = dist.new_group(backend="gloo", timeout=PLAN_TIMEOUT)
     return tp, PlanChannel(plans, timeout=timeout if rank == 0 else None)
 
@@ -159,12 +160,21 @@ class TPWorkers:
         self = cls(procs, reports)
         try:
             joined: list = []
-            t = threading.Thread(target=lambda: joined.append(
-                _join(0, size, addr, device.type, spec.timeout, args.ep_size > 1)), daemon=True)
+            failed: list[str] = []
+
+            def join() -> None:
+                try:
+                    joined.append(_join(0, size, addr, device.type, spec.timeout,
+                                        args.ep_size > 1))
+                except Exception as e:  # noqa: BLE001 - named in the TPError below
+                    failed.append(f"{type(e).__name__}: {e}")
+
+            t = threading.Thread(target=join, daemon=True)
             t.start()
             self._wait(lambda: not t.is_alive(), "join the process group")
             if not joined:
-                raise TPError("rank 0 could not join the tensor-parallel process group")
+                raise TPError("rank 0 could not join the tensor-parallel process group: "
+                              + (failed[0] if failed else "no reason given"))
             self.group, self.channel = joined[0]
             self.channel.check = self.dead
         except BaseException:
@@ -207,8 +217,9 @@ class TPWorkers:
         return None
 
     def build(self, sizes: dict, options: RunnerOptions) -> None:
-        """Tell every worker the capacities rank 0 chose (its caches are sized the same)."""
-        self.channel.send("build", sizes, options)
+        """Tell every worker the capacities rank 0 chose (its caches are sized the same). A
+        worker may still be loading its shard: this plan waits as long as the start may."""
+        self.channel.send("build", sizes, options, wait_s=START_TIMEOUT_S)
 
     def mirrored_runner(self, *args: Any) -> MirroredRunner:
         self.runner = MirroredRunner(*args, channel=self.channel)

@@ -83,7 +83,9 @@ class PlanChannel:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def send(self, *call: Any) -> None:
+    def send(self, *call: Any, wait_s: float | None = None) -> None:
+        """Broadcast one plan. ``wait_s`` replaces the timeout for this plan (the start's
+        "build", which waits for workers still loading their shards)."""
         if self.broken is not None:
             raise TPError(self.broken)
         dead = self.check()
@@ -101,13 +103,14 @@ class PlanChannel:
         parts = [head]
         if len(data) > len(first):
             parts.append(torch.frombuffer(bytearray(data[len(first):]), dtype=torch.uint8))
+        timeout = self.timeout if wait_s is None else timedelta(seconds=wait_s)
         try:
             for t in parts:
                 work = dist.broadcast(t, src=0, group=self.group, async_op=True)
-                if self.timeout is None:
+                if timeout is None:
                     work.wait()
                 else:
-                    work.wait(timeout=self.timeout)
+                    work.wait(timeout=timeout)
         except Exception as e:          # noqa: BLE001 - any transport error ends the group
             self.fail(self.check() or f"sending the {call[0]!r} plan failed (a worker that no "
                                       f"longer answers?): {e}")
