@@ -165,6 +165,13 @@ def test_several_prompts_run_as_one_batch(model, capsys, tmp_path):
     assert len(metas) == 2 and all(m["completion_tokens"] == 4 and m["e2e_latency"] > 0 for m in metas)
 
 
+def _interruptible() -> None:
+    """SIGINT back to its default in a child: a suite started in the background (``nohup ...
+    &``) hands its processes an ignored SIGINT, and Python then never raises
+    KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("when", ["loading", "generating"])
 def test_ctrl_c_exits_130_with_one_line_and_no_partial_files(tmp_path, when):
     """Ctrl-C while the demo family loads (0.5 s after the notice) and mid-generation (once the
@@ -176,7 +183,8 @@ def test_ctrl_c_exits_130_with_one_line_and_no_partial_files(tmp_path, when):
     p = subprocess.Popen([sys.executable, "-m", "blockspec", "generate", "--input-ids", "1,2,3",
                           "--max-new-tokens", "900", "--ignore-eos", "--device", "cpu",
                           *(["--verbose"] if when == "generating" else [])],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=_interruptible)
     try:
         notice = p.stderr.readline()               # printed once torch is imported
         assert f"demo family's target {FAMILY_DIR / 'target'} (DFLASH on" in notice, notice
@@ -216,13 +224,19 @@ def test_an_interrupt_torch_turns_into_an_error_still_exits_130(monkeypatch, cap
     def plain(ns):
         raise RuntimeError("a real error")
 
-    before = signal.getsignal(signal.SIGINT)
-    argv = ("quantize", "--model-path", "a", "--output", "b", "--quant-algo", "fp8")
-    monkeypatch.setitem(cli.COMMANDS, "quantize", converted)
-    assert _run(capsys, *argv)[::2] == (130, "blockspec quantize: interrupted\n")
-    monkeypatch.setitem(cli.COMMANDS, "quantize", plain)
-    assert _run(capsys, *argv)[::2] == (2, "blockspec quantize: error: a real error\n")
-    assert signal.getsignal(signal.SIGINT) is before
+    inherited = signal.getsignal(signal.SIGINT)
+    if inherited == signal.SIG_IGN:             # a background run (see _interruptible)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        before = signal.getsignal(signal.SIGINT)
+        argv = ("quantize", "--model-path", "a", "--output", "b", "--quant-algo", "fp8")
+        monkeypatch.setitem(cli.COMMANDS, "quantize", converted)
+        assert _run(capsys, *argv)[::2] == (130, "blockspec quantize: interrupted\n")
+        monkeypatch.setitem(cli.COMMANDS, "quantize", plain)
+        assert _run(capsys, *argv)[::2] == (2, "blockspec quantize: error: a real error\n")
+        assert signal.getsignal(signal.SIGINT) is before
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 def test_generate_without_model_path_answers_with_the_demo_family(capsys):
