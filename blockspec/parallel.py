@@ -53,6 +53,10 @@ def init_tp(init_method: str = "env://", rank: int | None = None,
     processes importing torch on a busy machine) must not be held to a short collective
     timeout. Rank 0 then serves the TCP store and waits for every rank to reach it before any
     process group exists."""
+    meet = rendezvous_timeout is not None
+    if meet and (rank is None or not init_method.startswith("tcp://")):
+        raise ValueError(f"init_tp: rendezvous_timeout needs a tcp:// init_method and a rank, "
+                         f"got init_method={init_method!r}, rank={rank}")
     if not dist.is_initialized():
         if dist.get_pg_count() > 0:
             # A failed start left torch.distributed's group counter advanced: this process
@@ -64,7 +68,7 @@ def init_tp(init_method: str = "env://", rank: int | None = None,
         kwargs: dict = {} if rank is None else {"rank": rank, "world_size": world_size}
         if timeout is not None:
             kwargs["timeout"] = timedelta(seconds=timeout)
-        if rendezvous_timeout is not None and rank is not None and init_method.startswith("tcp://"):
+        if meet:
             host, _, port = init_method.removeprefix("tcp://").rpartition(":")
             kwargs["store"] = dist.TCPStore(host, int(port), world_size, is_master=rank == 0,
                                             timeout=timedelta(seconds=rendezvous_timeout),

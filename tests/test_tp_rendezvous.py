@@ -8,6 +8,7 @@ import contextlib
 import socket
 import time
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -97,3 +98,11 @@ def test_start_after_a_failed_torch_rendezvous_refuses_instead_of_hanging() -> N
             p.kill()
     assert "earlier process-group start failed" in got, got
     assert float(got.rsplit("(", 1)[1].split()[0]) < 5, got
+
+
+def test_rendezvous_timeout_without_a_tcp_meeting_is_refused() -> None:
+    """It would be ignored by env:// (torch's own rendezvous): say so instead of dropping it."""
+    for method, rank in (("env://", 0), ("tcp://127.0.0.1:1", None)):
+        with pytest.raises(ValueError, match="rendezvous_timeout needs a tcp:// init_method"):
+            init_tp(method, rank=rank, world_size=2, rendezvous_timeout=1.0)
+    assert not torch.distributed.is_initialized() and torch.distributed.get_pg_count() == 0
