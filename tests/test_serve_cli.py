@@ -101,6 +101,21 @@ def test_graceful_shutdown_ends_streams_with_an_error_event(folder, sig):
         proc.kill()
 
 
+def _wait_in_engine(url: str, n: int, timeout: float = 60.0) -> None:
+    """Until the engine holds ``n`` requests (running + waiting, from /metrics): a signal sent
+    after this reaches requests that are surely in flight, however slow the machine."""
+    end = time.monotonic() + timeout
+    held = -1.0
+    while time.monotonic() < end:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        held = sum(float(ln.split()[-1]) for ln in text.splitlines()
+                   if ln.startswith(("blockspec_num_running_reqs ", "blockspec_num_queue_reqs ")))
+        if held >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the engine held {held} requests after {timeout} s, expected {n}")
+
+
 def test_busy_port_is_one_line_error(folder):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -136,11 +151,16 @@ def test_sigterm_drains_running_and_queued_requests(folder):
             threads = [threading.Thread(target=blocking, args=(n, 40)) for n in ("block", "queued")]
             for t in threads:
                 t.start()
-                time.sleep(0.3)
+            _wait_in_engine(url, 3)       # the stream runs, the other two wait behind it
             proc.p.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-            with pytest.raises(httpx.ConnectError):          # no longer accepting
-                httpx.get(url + "/health", timeout=5)
+            end = time.monotonic() + 30
+            while True:                   # soon no longer accepting, while the three drain
+                try:
+                    httpx.get(url + "/health", timeout=5)
+                except httpx.ConnectError:
+                    break
+                assert time.monotonic() < end, "still accepting connections 30 s after SIGTERM"
+                time.sleep(0.05)
             events = [x[6:] for x in lines if x.startswith("data: ")]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
@@ -173,7 +193,7 @@ def test_sigterm_ends_what_outlives_the_timeout_with_a_clear_error(folder):
 
         t = threading.Thread(target=blocking)
         t.start()
-        time.sleep(1.0)
+        _wait_in_engine(url, 1)
         t0 = time.monotonic()
         proc.p.send_signal(signal.SIGTERM)
         t.join(60)
