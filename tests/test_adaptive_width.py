@@ -17,6 +17,7 @@ from blockspec.speculative.adaptive import (
     CostTable,
     WidthChooser,
     candidate_widths,
+    eager_size,
     expected_tokens,
 )
 from tests.spec_fixtures import (
@@ -102,6 +103,11 @@ def test_cost_table_falls_back_to_the_analytic_shape():
     assert cost.time(4, 3) == 2.0 and cost.time(8, 3) == 2.0        # the padded size's figure
     assert cost.time(16, 3) == CostTable.analytic(16, 3)            # above every measured size
     assert CostTable.analytic(64, 4) > CostTable.analytic(64, 2) > CostTable.analytic(64, 1)
+
+
+def test_eager_size_is_the_next_power_of_two_within_the_batch_limit():
+    assert [eager_size(b, 16) for b in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    assert eager_size(17, 24) == 24 and eager_size(40, 48) == 48 and eager_size(64, 256) == 64
 
 
 def test_ewma_update():
@@ -211,6 +217,25 @@ def test_a_forced_width_drafts_as_that_fixed_width_does(target, kind, block, w):
         assert a["output_ids"] == f["output_ids"] == want
         assert a["meta_info"]["spec_accept_histogram"][:w] == f["meta_info"]["spec_accept_histogram"]
         assert sum(f["meta_info"]["spec_accept_histogram"][1:]) > 0     # some drafts accepted
+
+
+def test_eager_steps_are_timed_for_every_width(target):
+    """Without graphs (CPU) each width's step is timed on dummy rows at the batch's eager size
+    before the first choice, so the chooser weighs measured costs, not a placeholder shape;
+    the dummy steps leave the requests' outputs as target-only decoding gives them."""
+    root, folder, ref = target
+    e = _engine(root, folder, "dflash", 5, max_running_requests=16)
+    d = e.drafter
+    assert e.runner.graphs is None and not d.cost.measured
+    assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == ref
+    # the 16 prompts' batch, then smaller ones as requests finish: each size with every width
+    sizes = {s for s, _ in d.cost.measured}
+    assert 16 in sizes and sizes <= {1, 2, 4, 8, 16}
+    assert set(d.cost.measured) == {(s, w) for s in sizes for w in d.widths}
+    assert all(t > 0 for t in d.cost.measured.values())
+    fixed = _engine(root, folder, "dflash", 5, adaptive=False)           # one width: no timing
+    fixed.generate(input_ids=PROMPTS[:3], sampling_params=GREEDY)
+    assert not fixed.drafter.cost.measured
 
 
 def test_fixed_width_is_pinned_to_the_maximum(target):

@@ -45,7 +45,7 @@ def test_no_width_makes_a_host_sync(spec, kind):  # noqa: F811
                           temperature=[0.8] * 4, top_k=[-1] * 4, top_p=[0.9] * 4, min_p=[0.0] * 4,
                           seeds=[1, 2, 3, 4], sample_counters=[0] * 4, verify_counters=[0] * 4)
         key = batch.sampling_key()
-        d._ensure_graphs(batch)
+        d._ensure_steps(batch)
         for w in d.widths:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")

@@ -8,8 +8,11 @@ w chosen for the whole batch to maximise expected committed tokens per second.
   value. Beside the rows, one engine-wide row follows the batch's observed rate at each
   position more slowly: a new request starts from it (what recent requests achieved, an
   optimistic prior before any verify), and the chooser leans on it where the batch is small.
-* Cost table (``CostTable``): step seconds per (padded batch, width), timed once by a few
-  replays of each captured graph on the dummy rows; without graphs an analytic shape.
+* Cost table (``CostTable``): step seconds per (batch size, width), timed once on the dummy
+  rows: a captured size by replays of its graphs, a batch that runs eagerly (CPU, no graphs,
+  past the largest graph) by eager steps at its power-of-two size (``eager_size``). Only
+  under tensor parallelism without graphs does an analytic shape stand in (a dummy step on
+  rank 0 alone would wait on the workers' collectives).
 * Choice (``WidthChooser``): E[w] = 1 + sum_{i < w-1} prod_{j <= i} p_j, with p the batch's
   rows pooled with ``ENGINE_WEIGHT`` rows' worth of the engine row (a lone request's coin
   flips then do not swing the width); argmax_w E[w] / step_time(b, w) over the captured
@@ -32,9 +35,11 @@ import torch
 
 # graphs captured per batch size and sampling mode when adaptive (the memory / start-up budget)
 WIDTH_BUDGET = 8
-# analytic step time (graphs off): fixed cost 1, the draft forward's share, and the verify rows
-# at which a step's compute matches its weight reads (placeholder shape, not a measurement)
+# analytic step time (tensor parallelism without graphs): fixed cost 1, the draft forward's
+# share, and the verify rows at which a step's compute matches its weight reads (a placeholder
+# shape, not a measurement)
 DRAFT_SHARE, ROWS_KNEE = 0.15, 256.0
+GRAPH_REPS, EAGER_REPS = 5, 2   # timed steps per cost-table entry (an eager CPU step: tens of ms)
 PRIOR = 0.8             # the engine row before any verify (every position)
 ENGINE_ALPHA = 0.05     # the engine row's EWMA rate per step (the rows': 0.25)
 ENGINE_WEIGHT = 4.0     # request rows' worth of the engine row in the chooser's pooled p
@@ -51,6 +56,12 @@ def candidate_widths(max_width: int, adaptive: bool, budget: int = WIDTH_BUDGET)
         return tuple(range(1, max_width + 1))
     picks = {1 + round((max_width - 1) * (i / (budget - 1)) ** 1.5) for i in range(budget)}
     return tuple(sorted(picks | {1, max_width}))
+
+
+def eager_size(bs: int, max_bs: int) -> int:
+    """The batch size an eager batch of ``bs`` requests is timed at: the next power of two,
+    at most ``max_bs`` (its step time scales with the rows, so the widths' ratios carry over)."""
+    return min(1 << max(bs - 1, 0).bit_length(), max(max_bs, bs))
 
 
 def expected_tokens(p: Sequence[float], width: int) -> float:
@@ -99,8 +110,8 @@ class AcceptanceEWMA:
 
 
 class CostTable:
-    """Step seconds per (padded batch, width): measured where graphs are captured, else the
-    analytic shape (relative units; only ratios matter to the choice)."""
+    """Step seconds per (batch size, width) as measured, else the analytic shape (relative
+    units; only ratios matter to the choice)."""
 
     def __init__(self) -> None:
         self.measured: dict[tuple[int, int], float] = {}
@@ -112,24 +123,29 @@ class CostTable:
     def analytic(bs: int, width: int) -> float:
         return 1.0 + (DRAFT_SHARE if width > 1 else 0.0) + bs * width / ROWS_KNEE
 
-    def measure(self, bs: int, width: int, replay: Callable[[], object], device: torch.device,
-                reps: int = 5) -> float:
-        """The median of ``reps`` timed replays of a captured step (its inputs are the dummy
-        rows): one slow replay (a clock change, another process) does not skew the table."""
-        replay()
-        torch.cuda.synchronize(device)
+    def measure(self, bs: int, width: int, run: Callable[[], object], device: torch.device,
+                reps: int = GRAPH_REPS) -> float:
+        """The median of ``reps`` timed runs of a step on the dummy rows (a graph replay or an
+        eager step), after one untimed: one slow run (a clock change, another process) does
+        not skew the table."""
+        def sync() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        run()
+        sync()
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            replay()
-            torch.cuda.synchronize(device)
+            run()
+            sync()
             times.append(time.perf_counter() - t0)
         self.measured[(bs, width)] = statistics.median(times)
         return self.measured[(bs, width)]
 
     def time(self, bs: int, width: int) -> float:
         """Measured at the smallest measured batch >= ``bs`` with this width, else analytic
-        (a mix never happens: graphs capture every width of a size together)."""
+        (a mix never happens: every width of a size is timed together)."""
         if len(self.measured) != self._entries:
             self._lookup.clear()
             self._entries = len(self.measured)

@@ -35,7 +35,8 @@ from blockspec.runtime.metadata import StepBatch, same_rows, uniform_metadata
 from blockspec.runtime.model_runner import Launched, ModelRunner, Pending
 from blockspec.sampling import Stream, logprobs_of, uniforms
 from blockspec.speculative.accept import verify_block
-from blockspec.speculative.adaptive import AcceptanceEWMA, CostTable, WidthChooser, candidate_widths
+from blockspec.speculative.adaptive import (EAGER_REPS, GRAPH_REPS, AcceptanceEWMA, CostTable,
+                                             WidthChooser, candidate_widths, eager_size)
 from blockspec.speculative.draft_head import make_draft_head
 from blockspec.speculative.draft_loader import load_draft
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
@@ -105,37 +106,49 @@ class SpecWorker:
         A constrained batch runs its phases back to back (its masks are known now)."""
         if batch is not None and batch.constrained:
             return self.runner.phased.complete(self.begin(batch), batch.grammars)
-        w = self.chooser.choose(batch.size if batch is not None else prev.bs)
         if batch is not None:
-            self._ensure_graphs(batch)
+            self._ensure_steps(batch)
+        w = self.chooser.choose(batch.size if batch is not None else prev.bs)
         return self.runner.launch_step(batch, self._fns[w], f"spec{w}", w, prev)
 
-    def _ensure_graphs(self, batch: StepBatch) -> None:
+    def _ensure_steps(self, batch: StepBatch) -> None:
         """Every candidate width's graphs for the batch's sampling mode and padded size (and
         the smaller sizes), captured together so the width can change on a step launched
-        ahead; each new (size, width) is timed once into the cost table (dummy rows)."""
-        graphs = self.runner.graphs
+        ahead; then each (size, width) new to the cost table is timed on dummy rows: graph
+        replays at the captured sizes, eager steps at ``eager_size`` for a batch that runs
+        eagerly (not under tensor parallelism: rank 0's dummy step would wait on the
+        workers' collectives, so the analytic shape stays there)."""
+        runner, graphs, key = self.runner, self.runner.graphs, batch.sampling_key()
         padded = graphs.padded_size(batch.size) if graphs is not None else None
-        if padded is None:
+        if padded is not None:
+            for w in self.widths:
+                runner.ensure_graph(f"spec{w}", key, padded, self._fns[w])
+            sizes, reps = [s for s in graphs.sizes if s <= padded], GRAPH_REPS
+
+            def run(size: int, w: int) -> object:
+                return graphs.replay((f"spec{w}", key, size))
+        elif self.target.tp.size == 1:
+            runner.reserve_buffers(batch)
+            sizes, reps = [eager_size(batch.size, runner.inputs.max_bs)], EAGER_REPS
+
+            def run(size: int, w: int) -> object:
+                runner.host_max_seq_len = w      # the dummy rows' context: their verify block
+                return self._fns[w](runner.inputs.view(size), key)
+        else:
             return
-        key = batch.sampling_key()
-        for w in self.widths:
-            self.runner.ensure_graph(f"spec{w}", key, padded, self._fns[w])
-        todo = [(s, w) for s in graphs.sizes if s <= padded for w in self.widths
-                if (s, w) not in self.cost.measured]
-        if len(self.widths) > 1 and todo:
-            # dummy rows (the dummy slot's cache only) with distinct anchors and seeds, so the
-            # verify's tokens spread over the MoE experts as a real batch's do
-            inp, g = self.runner.inputs, torch.Generator().manual_seed(0)
-            inp.fill_dummy(0, padded)
-            inp.host["token"][:padded] = torch.randint(0, self.runner.cfg.vocab_size, (padded,),
-                                                       generator=g)
-            inp.host["seed"][:padded] = torch.arange(1, padded + 1)
-            inp.upload()
-            for size, w in todo:
-                gkey = (f"spec{w}", key, size)
-                self.cost.measure(size, w, lambda gkey=gkey: graphs.replay(gkey),
-                                  self.memory.device)
+        todo = [(s, w) for s in sizes for w in self.widths if (s, w) not in self.cost.measured]
+        if len(self.widths) == 1 or not todo:
+            return
+        # dummy rows (the dummy slot's cache only) with distinct anchors and seeds, so the
+        # verify's tokens spread over the MoE experts as a real batch's do
+        top, inp, g = max(sizes), runner.inputs, torch.Generator().manual_seed(0)
+        inp.fill_dummy(0, top)
+        inp.host["token"][:top] = torch.randint(0, runner.cfg.vocab_size, (top,), generator=g)
+        inp.host["seed"][:top] = torch.arange(1, top + 1)
+        inp.upload()
+        for size, w in todo:
+            self.cost.measure(size, w, lambda size=size, w=w: run(size, w), self.memory.device,
+                              reps)
 
     def begin(self, batch: StepBatch | None, prev: Launched | None = None) -> Pending:
         """A constrained step's draft and verify forwards (``runtime/phases.py``); its verify
