@@ -228,8 +228,8 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
         steps, width, tau = max(len(o["output_ids"]) for o in outs) - 1, 1, 1.0
     step_s = decode / max(steps, 1)
     spec = acceptance_fields(engine, outs, decode) if engine.drafter is not None else {}
-    if engine.drafter is not None and engine.drafter.adaptive and engine.runner.graphs is not None:
-        # the chooser's step times at this batch (its captured size), widths 1..W
+    if engine.drafter is not None and engine.drafter.adaptive and engine.drafter.cost.measured:
+        # the chooser's step times at this batch (its captured or eager size), widths 1..W
         spec["cost_ms_by_width"] = [round(engine.drafter.cost.time(batch, w) * 1e3, 3)
                                     for w in engine.drafter.widths]
     # adaptive: the weight bytes of a step at the mean width the chooser ran
