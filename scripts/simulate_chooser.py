@@ -4,9 +4,10 @@ acceptance profile, without a model: how close it gets to the best fixed width, 
 Each step the real ``WidthChooser`` picks a width for the batch; every request draws its
 accepted drafts from the profile's per-position coins; the real ``AcceptanceEWMA`` folds the
 step in; the chooser reads the rows back one step late, as launch-ahead does. A request ends
-after ``--tokens`` committed tokens and a new one takes its slot. Scored by expected tokens
-(the profile's mean at the widths run, so the coins' noise does not rank the policies) over
-the table's step time, against every fixed width.
+after 256 committed tokens (``simulate(tokens=)``) and a new one takes its slot; the
+chooser's and the EWMA's rates can be set (``chooser_kw``, ``ewma_kw``) to tune them. Scored
+by expected tokens (the profile's mean at the widths run, so the coins' noise does not rank
+the policies) over the table's step time, against every fixed width.
 
     python scripts/simulate_chooser.py --profile 0.5 --batch 1 \\
         --cost-ms 2.371,3.209,3.47,3.698,3.791,4.01,4.173,4.488
