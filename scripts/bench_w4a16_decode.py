@@ -13,7 +13,8 @@ problems are the ones a decode step runs (Nemotron-3.5-Lightning, 128 experts, t
   ``MoE.routed_pairs`` calls it) for 6, 24 and 36 pairs (1, 4, 6 tokens), up 1856x2688 (x is
   one row per token) and down 2688x1856 (one x row per pair);
 - shared expert: dense ``w4a16_linear`` at M = 1, 4, 6, up 3712x2688 and down 2688x3712;
-- lm_head: dense 131072x2688 at M = 1, 4.
+- lm_head: dense 131072x2688 at M = 1, 4, 8 (8: a width-8 verify and the draft's head);
+- the published-size draft's fused projections (``DRAFT_SHAPES``) at M = 4 and 8.
 
 The grid is ``AXES`` less what the launcher rejects or what cannot help (``plan_configs``
 counts why): 600-1500 points per problem, ~15.5k in all, too many kernels to compile in
@@ -31,7 +32,9 @@ two calls of a layer, so each timed graph cycles through enough weight copies (d
 draws (grouped) to move twice the L2 between repeats; ``--hot-l2`` repeats one call instead.
 
 ``--write-table`` writes the best config per problem class in the format
-``blockspec/kernels/w4a16_tuned.json`` has (copy it there to make it the default).
+``blockspec/kernels/w4a16_tuned.json`` has (copy it there to make it the default); with
+``--merge`` it starts from the shipped table's entries, so a sweep of a few problems adds or
+replaces only their classes.
 """
 from __future__ import annotations
 
@@ -123,6 +126,13 @@ class Problem:
         return self.n * self.k // 2 + self.n * self.k // 16
 
 
+# The published-size Nemotron 3.5 draft's W4A16 calls (bench/draft_presets.py at Lightning's
+# shapes), fused as the serving draft runs them: q/k/v, o, gate/up, down. Its forward runs a
+# block of rows: 8 for DFlash, 4 for DSpark at gamma 3 (batch 1).
+DRAFT_SHAPES = {"draft_qkv": (6144, 2688), "draft_o": (2688, 4096),
+                "draft_gate_up": (10752, 2688), "draft_down": (2688, 5376)}
+
+
 def decode_problems() -> list[Problem]:
     """The W4A16 calls of a Lightning decode / speculative-verify step (module docstring)."""
     out = []
@@ -131,7 +141,9 @@ def decode_problems() -> list[Problem]:
                         repeat_x=proj == "expert_up", shared=SHARED_PARTS) for t in (1, 4, 6)]
     for proj, (n, k) in (("shared_up", (3712, 2688)), ("shared_down", (2688, 3712))):
         out += [Problem(f"{proj}/M={m}", "dense", n, k, m) for m in (1, 4, 6)]
-    out += [Problem(f"lm_head/M={m}", "dense", 131072, 2688, m) for m in (1, 4)]
+    out += [Problem(f"lm_head/M={m}", "dense", 131072, 2688, m) for m in (1, 4, 8)]
+    for proj, (n, k) in DRAFT_SHAPES.items():
+        out += [Problem(f"{proj}/M={m}", "dense", n, k, m) for m in (4, 8)]
     return out
 
 
@@ -577,10 +589,15 @@ def best_configs(results: list[Result]) -> tuple[dict[str, dict], dict[str, dict
     return configs, measured
 
 
-def write_table(path: str | Path, results: list[Result], meta: dict) -> dict:
+def write_table(path: str | Path, results: list[Result], meta: dict,
+                base: dict | None = None) -> dict:
     """Write the tuned table, checked by the loader's own validation before it is written;
-    ``measured`` (times per problem) is a note the loader ignores."""
+    ``measured`` (times per problem) is a note the loader ignores. ``base``: a table whose
+    entries (and notes) the swept classes are laid over."""
     configs, measured = best_configs(results)
+    if base is not None:
+        configs = {**base.get("configs", {}), **configs}
+        measured = {**base.get("measured", {}), **measured}
     data = {"about": _ABOUT, **meta, "configs": dict(sorted(configs.items())),
             "measured": dict(sorted(measured.items()))}
     tt.parse_tuned_table(data, str(path))
@@ -654,6 +671,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", help="JSON file for every point and the best per problem")
     ap.add_argument("--write-table", metavar="PATH",
                     help="also write the best configs as a tuned table (w4a16_tuned.json format)")
+    ap.add_argument("--merge", action="store_true",
+                    help="--write-table keeps the shipped table's other classes")
     ap.add_argument("--problems", nargs="+", choices=names, metavar="NAME", default=names,
                     help=f"subset of: {' '.join(names)}")
     ap.add_argument("--search", choices=("staged", "grid"), default="staged",
@@ -728,7 +747,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{s['name']:20s} {s['best']['us']:8.1f} {s['best']['gbs']:6.0f} "
                   f"{s['best']['frac_read']:6.0%} {s.get('speedup_vs_builtin', 0):10.2f}")
     if args.write_table:
-        out["table"] = write_table(args.write_table, results, meta)
+        base = (json.loads(tt.TUNED_PATH.read_text(encoding="utf-8")) if args.merge
+                else None)
+        out["table"] = write_table(args.write_table, results, meta, base)
         print(f"wrote the tuned table {args.write_table} ({len(out['table']['configs'])} "
               f"entries): copy it to {tt.TUNED_PATH} or set {tt.TUNED_ENV}={args.write_table}")
     out["seconds"] = time.time() - t0

@@ -32,7 +32,7 @@ ptrs = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "ws2_ptr": "*fp32", "
         "blk_row1_ptr": "*i32"}
 const = dict(BLOCK_M=16, BLOCK_N=a.block_n, BLOCK_K=a.block_k, SLICES=1, SPLIT=1, SWAP=a.swap,
              DECODE=1, GROUPED=False, EVEN_N=True, MASK_K=False, SCALE_WORDS=a.block_k >= 128,
-             K_ITERS=0)
+             K_ITERS=0, N_INNER=False, X_PERM=False, COL_SCALE=False)
 if a.dense:
     const.update(PAIRS=0, TOPK=1, X_PER_PAIR=False, DEDUP=False, RELU2=False, DISTINCT=False,
                  SHARED=0, SHARED_BASE=0)

@@ -279,7 +279,10 @@ def test_decode_problems(sweep):
         "expert_up/pairs=6", "expert_up/pairs=24", "expert_up/pairs=36",
         "expert_down/pairs=6", "expert_down/pairs=24", "expert_down/pairs=36",
         "shared_up/M=1", "shared_up/M=4", "shared_up/M=6",
-        "shared_down/M=1", "shared_down/M=4", "shared_down/M=6", "lm_head/M=1", "lm_head/M=4"]
+        "shared_down/M=1", "shared_down/M=4", "shared_down/M=6",
+        "lm_head/M=1", "lm_head/M=4", "lm_head/M=8",
+        "draft_qkv/M=4", "draft_qkv/M=8", "draft_o/M=4", "draft_o/M=8",
+        "draft_gate_up/M=4", "draft_gate_up/M=8", "draft_down/M=4", "draft_down/M=8"]
     assert {(p.n, p.k) for p in probs if p.name.startswith("expert_up")} == {(1856, 2688)}
     assert {(p.n, p.k) for p in probs if p.name.startswith("expert_down")} == {(2688, 1856)}
     assert {(p.n, p.k) for p in probs if p.name.startswith("shared_down")} == {(2688, 3712)}
@@ -346,6 +349,12 @@ def test_sweep_end_to_end_with_a_fake_timer(sweep, interpreter, tmp_path, monkey
     assert tt.tuned_config(32, 128, 16, 12) == sweep.launch_config(results[0].best)
     assert tt.tuned_config(32, 128, 2) == sweep.launch_config(results[2].best)
     assert data["measured"][probs[0].key]["tiny_up"]["us"] == results[0].best["us"]
+    # a partial sweep laid over a base table keeps the base's other classes
+    base = {"configs": {"dense N=64 K=128 rows=1": {"block_n": 32}},
+            "measured": {"dense N=64 K=128 rows=1": {"x": {"us": 1.0}}}}
+    merged = sweep.write_table(tmp_path / "merged.json", results[2:], {}, base)
+    assert set(merged["configs"]) == {"dense N=64 K=128 rows=1", probs[2].key}
+    assert merged["configs"][probs[2].key] == data["configs"][probs[2].key]
 
 
 @needs_triton
