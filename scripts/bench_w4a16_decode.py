@@ -695,6 +695,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sms", type=int, help="SM count to plan for (default: the GPU's, or "
                                             f"{H200_SMS} without one)")
     args = ap.parse_args(argv)
+    if args.merge and not args.write_table:
+        ap.error("--merge lays the sweep over the shipped table: it needs --write-table")
     cuda = torch.cuda.is_available()
     if not args.plan:
         if not cuda:

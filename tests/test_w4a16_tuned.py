@@ -293,6 +293,12 @@ def test_decode_problems(sweep):
     assert [p.key.split("blocks=")[1] for p in probs[:3]] == ["1-8", "9-32", "33-64"]
 
 
+def test_merge_needs_a_table_to_write(sweep, capsys):
+    with pytest.raises(SystemExit):
+        sweep.main(["--plan", "--merge"])
+    assert "--merge" in capsys.readouterr().err
+
+
 def test_plan_configs(sweep):
     for p in sweep.decode_problems():
         points, dropped = sweep.plan_configs(p, 132)
