@@ -39,6 +39,7 @@ from blockspec.kernels.nvfp4_dequant import dequant_grouped, dequant_linear
 from blockspec.kernels.triton_loader import interpreting, load_kernels, sm_count
 from blockspec.kernels.w4a16_blocks import expert_blocks, grouped_blocks  # noqa: F401 (MoE's)
 from blockspec.kernels.w4a16_layout import from_kernel_layout
+from blockspec.kernels.w4a16_pairs import pair_w4a16_cuda, pairs_cuda_ok
 from blockspec.kernels.w4a16_prefill import is_dense_prefill, is_grouped_prefill, prefill_config
 from blockspec.kernels.w4a16_tuned import check_v2_tile, tuned_config
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4
@@ -449,8 +450,13 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                          f"got {tokens}")
     if pairs == 0:
         return x.new_empty((rows, n))
-    x2 = x if x.stride(-1) == 1 else x.contiguous()
     ws2 = weight_scale_2.reshape(e).to(torch.float32)
+    if (dedup or tokens == 1) and pairs_cuda_ok(x, weight, tokens):
+        out = pair_w4a16_cuda(x, ids, weight, weight_scale, ws2, x_per_pair=x_per_pair,
+                              relu2=relu2, distinct=distinct, shared_parts=shared_parts,
+                              rows=rows)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
     ids = ids.contiguous()      # read in its own dtype: no conversion kernel per call
     blocks = pairs + (shared_parts if dedup else tokens * shared_parts)
     variant = default_variant()
