@@ -1,6 +1,7 @@
 // W4A16 NVFP4 MoE at decode sizes: the tokens of one expert (a speculative verify's block,
 // at most 16) times that expert's packed weights, one CTA per (expert, 16 * MT output rows).
-// Compiled at run time by NVRTC (kernels/w4a16_pairs.py) with MT, NT and KW defined.
+// Compiled at run time by NVRTC (kernels/w4a16_pairs.py) with MT, NT, KW and KDIM (= K)
+// defined; weights and scales are contiguous per expert.
 //
 // Why not the Triton kernel: at these sizes a Triton tile goes global -> shared -> registers
 // and through a layout conversion before its MMA, holds ~130 registers and runs few warps
@@ -71,13 +72,69 @@ __device__ __forceinline__ void ld_x(const unsigned short* p, U32* v) {
       : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
 }
 
+// K is compiled in: the row strides of the packed weights and scales become immediates.
+#define SW (KDIM / 2)
+#define SS (KDIM / 16)
+
+// One 64-K unit's packed words and scale bytes of this lane's 2 * MT rows.
+template <typename Stride>
+__device__ __forceinline__ void load_rows(const unsigned char* pw, const unsigned char* ps,
+                                          const bool (&ok)[MT][2], U32 (&wv)[MT][2][2],
+                                          U32 (&sv)[MT][2], Stride sw, Stride ss) {
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (ok[i][h]) {
+        ld_w(pw + (16 * i + 8 * h) * sw, wv[i][h]);
+        sv[i][h] = ld_u8(ps + (16 * i + 8 * h) * ss);
+      }
+}
+
+// x of one unit for this lane's token slots, paired as the decoded streams (advances px),
+// then the unit's 4 * MT * NT MMAs.
+__device__ __forceinline__ void unit_rows_mma(float (&acc)[MT][NT][4],
+                                              const U32 (&wv)[MT][2][2], const U32 (&sv)[MT][2],
+                                              const unsigned short* (&px)[NT]) {
+  U32 xb[NT][8];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    U32 xv[8];
+    ld_x(px[j], xv);
+    ld_x(px[j] + 8, xv + 4);
+    px[j] += 64 * KW;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      xb[j][4 * hf + 0] = __byte_perm(xv[4 * hf], xv[4 * hf + 2], 0x5410);
+      xb[j][4 * hf + 1] = __byte_perm(xv[4 * hf], xv[4 * hf + 2], 0x7632);
+      xb[j][4 * hf + 2] = __byte_perm(xv[4 * hf + 1], xv[4 * hf + 3], 0x5410);
+      xb[j][4 * hf + 3] = __byte_perm(xv[4 * hf + 1], xv[4 * hf + 3], 0x7632);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    U32 a[2][8];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const U32 s = scale2(sv[i][h]);
+      decode8(wv[i][h][0], s, a[h]);
+      decode8(wv[i][h][1], s, a[h] + 4);
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+        mma(acc[i][j], a[0][2 * q], a[1][2 * q], a[0][2 * q + 1], a[1][2 * q + 1],
+            xb[j][2 * q], xb[j][2 * q + 1]);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_pairs(
     const unsigned short* __restrict__ x, const int* __restrict__ ids, int ids_step,
     const unsigned char* __restrict__ w, const unsigned char* __restrict__ ws,
     const float* __restrict__ ws2, unsigned short* __restrict__ out,
-    int M, int topk, int N, int K, int shared_parts, int shared_base,
-    int x_per_pair, int relu2, int distinct,
-    int stride_xm, int stride_we, int stride_wn, int stride_se, int stride_sn, int stride_om) {
+    int M, int topk, int N, int shared_parts, int shared_base, int x_per_pair, int relu2,
+    int distinct, int stride_xm, int stride_we, int stride_se, int stride_om) {
   __shared__ int s_first[16];
   __shared__ int s_xrow[16];
   __shared__ int s_orow[16];
@@ -127,18 +184,19 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_pairs(
   }
   __syncthreads();
 
-  // This warp's first unit is `warp`; pointers step KW units at a time.
+  // This warp's units are warp, warp + KW, ...: one base pointer for its rows' weights and
+  // one for their scales step KW units at a time; rows sit at constant offsets and rows past
+  // N load nothing.
   const int n0 = blockIdx.y * (MT * 16);
-  const unsigned char* pw[MT][2];
-  const unsigned char* ps[MT][2];
+  const unsigned char* pw = w + (long long)e * stride_we + (long long)(n0 + g) * SW
+                            + 32 * warp + 8 * t;
+  const unsigned char* ps = ws + (long long)e * stride_se + (long long)(n0 + g) * SS
+                            + 4 * warp + t;
+  bool ok[MT][2];
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = min(n0 + 16 * i + 8 * h + g, N - 1);
-      pw[i][h] = w + (long long)e * stride_we + (long long)r * stride_wn + 32 * warp + 8 * t;
-      ps[i][h] = ws + (long long)e * stride_se + (long long)r * stride_sn + 4 * warp + t;
-    }
+    for (int h = 0; h < 2; ++h) ok[i][h] = n0 + 16 * i + 8 * h + g < N;
   // A token slot this block does not serve reads row 0: its MMA column is never stored.
   const unsigned short* px[NT];
 #pragma unroll
@@ -153,66 +211,18 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_pairs(
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
-  const int iters = max((K >> 6) - warp + KW - 1, 0) / KW;
-  U32 wv[MT][2][2], sv[MT][2];
-  if (iters > 0) {
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        ld_w(pw[i][h], wv[i][h]);
-        sv[i][h] = ld_u8(ps[i][h]);
-      }
-  }
-#pragma unroll 2
-  for (int it = 0; it < iters; ++it) {
-    U32 xb[NT][8];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      U32 xv[8];
-      ld_x(px[j], xv);
-      ld_x(px[j] + 8, xv + 4);
-      px[j] += 64 * KW;
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        xb[j][4 * hf + 0] = __byte_perm(xv[4 * hf], xv[4 * hf + 2], 0x5410);
-        xb[j][4 * hf + 1] = __byte_perm(xv[4 * hf], xv[4 * hf + 2], 0x7632);
-        xb[j][4 * hf + 2] = __byte_perm(xv[4 * hf + 1], xv[4 * hf + 3], 0x5410);
-        xb[j][4 * hf + 3] = __byte_perm(xv[4 * hf + 1], xv[4 * hf + 3], 0x7632);
-      }
-    }
-    // the next unit's weights go in flight while this one is decoded (the last iteration
-    // reloads its own: no branch)
-    U32 cw[MT][2][2], cs[MT][2];
-    const int adv = it + 1 < iters ? KW : 0;
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        cw[i][h][0] = wv[i][h][0];
-        cw[i][h][1] = wv[i][h][1];
-        cs[i][h] = sv[i][h];
-        pw[i][h] += 32 * adv;
-        ps[i][h] += 4 * adv;
-        ld_w(pw[i][h], wv[i][h]);
-        sv[i][h] = ld_u8(ps[i][h]);
-      }
-#pragma unroll
-    for (int i = 0; i < MT; ++i) {
-      U32 a[2][8];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const U32 s = scale2(cs[i][h]);
-        decode8(cw[i][h][0], s, a[h]);
-        decode8(cw[i][h][1], s, a[h] + 4);
-      }
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-          mma(acc[i][j], a[0][2 * q], a[1][2 * q], a[0][2 * q + 1], a[1][2 * q + 1],
-              xb[j][2 * q], xb[j][2 * q + 1]);
-    }
+  const int iters = max((KDIM >> 6) - warp + KW - 1, 0) / KW;
+  // Two register buffers: while one unit is decoded the next one's bytes are in flight.
+  U32 wa[MT][2][2], sa[MT][2], wb[MT][2][2], sb[MT][2];
+  load_rows(pw, ps, ok, wa, sa, SW, SS);
+  for (int it = 0; it < iters; it += 2) {
+    if (it + 1 < iters) load_rows(pw + 32 * KW, ps + 4 * KW, ok, wb, sb, SW, SS);
+    unit_rows_mma(acc, wa, sa, px);
+    if (it + 1 >= iters) break;
+    pw += 64 * KW;
+    ps += 8 * KW;
+    if (it + 2 < iters) load_rows(pw, ps, ok, wa, sa, SW, SS);
+    unit_rows_mma(acc, wb, sb, px);
   }
 
   // c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8

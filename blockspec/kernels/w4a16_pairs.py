@@ -35,12 +35,12 @@ def default_tile(tokens: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(m_tiles: int, n_tiles: int, k_warps: int, device: int):
-    """NVRTC -> cubin -> driver function, cached per tile shape and device."""
+def _kernel(m_tiles: int, n_tiles: int, k_warps: int, k: int, device: int):
+    """NVRTC -> cubin -> driver function, cached per tile shape, K and device."""
     from torch.cuda import _utils as cuda_utils   # torch's NVRTC/driver bindings (CUDA only)
     lib = (getattr(cuda_utils, "_get_gpu_rtc_library", None) or cuda_utils._get_nvrtc_library)()
     src = (f"#define MT {m_tiles}\n#define NT {n_tiles}\n#define KW {k_warps}\n"
-           + _SOURCE.read_text())
+           f"#define KDIM {k}\n" + _SOURCE.read_text())
     major, minor = torch.cuda.get_device_capability(device)
     prog = ctypes.c_void_p()
     _nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"w4a16_pairs.cu",
@@ -87,17 +87,15 @@ def pair_w4a16_cuda(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     weight = weight.contiguous()
     if weight.data_ptr() % 8:
         weight = weight.clone()
-    scale = weight_scale.view(torch.uint8)
-    if scale.stride(-1) != 1:
-        scale = scale.contiguous()
+    scale = weight_scale.view(torch.uint8).contiguous()
     ids = ids.contiguous()
     out = torch.empty((rows, n), dtype=torch.bfloat16, device=x.device)
     blocks = tokens * topk + shared_parts
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(mt, 1 if tokens <= 8 else 2, kw, device)
+    kernel = _kernel(mt, 1 if tokens <= 8 else 2, kw, k, device)
     kernel(grid=(blocks, -(-n // (16 * mt)), 1), block=(32 * kw, 1, 1),
            args=[x, ids, 2 if ids.dtype == torch.int64 else 1, weight, scale, ws2, out,
-                 tokens, topk, n, k, shared_parts, e - shared_parts, int(x_per_pair),
-                 int(relu2), int(distinct), x.stride(0), weight.stride(0), weight.stride(1),
-                 scale.stride(0), scale.stride(1), out.stride(0)])
+                 tokens, topk, n, shared_parts, e - shared_parts, int(x_per_pair),
+                 int(relu2), int(distinct), x.stride(0), weight.stride(0), scale.stride(0),
+                 out.stride(0)])
     return out
