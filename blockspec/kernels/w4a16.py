@@ -6,7 +6,8 @@ One kernel (``_w4a16_kernels.py``, which says how it decodes) serves every shape
   0-dim global scale, or one per row [N]: sibling projections stacked, never dequantized);
 - grouped (MoE): rows of ``x`` sorted by expert, ``expert_offsets[e]:expert_offsets[e+1]`` are
   expert e's rows, weights stacked [E, N, K/2] / [E, N, K/16] / [E];
-- pairs (MoE at decode): one block per (token, expert) pair, no sort (``pair_w4a16``).
+- pairs (MoE at decode): one block per (token, expert) pair, no sort (``pair_w4a16``); on
+  CUDA, calls of up to 16 tokens run the CUDA pair kernel instead (``w4a16_pairs.py``).
 
 Every function here (``_reference`` ones too) takes packed weights in the kernel's layout
 (``w4a16_layout.to_kernel_layout``: the checkpoint's bits moved within each 16-bit word),
@@ -421,7 +422,8 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     often share experts; decoding, not only reading, is what a W4A16 call pays for);
     ``distinct`` promises no token names an expert twice (top-k routing), which skips the
     kernel's repeat count. ``relu2`` applies relu(.)^2 to the rounded result (an expert's up
-    projection).
+    projection). CUDA calls of one token, or of up to ``w4a16_pairs.MAX_TOKENS`` with
+    ``dedup``, run the CUDA pair kernel (same semantics; ``tile`` unused there).
 
     ``shared_parts`` = S > 0: the stack's last S experts are slices of the shared expert,
     which every token uses without being routed to them: the result gets S more rows per
