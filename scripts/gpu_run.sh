@@ -20,9 +20,9 @@
 #              scripts/adaptive_table.py (about 7 minutes: a call of its own)
 #   itl        streams' inter-token latency while a 32k prompt prefills (chunks 64, 128)
 #   prefixc    prefix cache: multi-turn batch 1 and 16 to 32k; agentic with DFlash
-#   pairs      the MoE pair kernels: GPU tests, bench_w4a16_pairs.py, then batch 1 of the
-#              quantized full preset: AR, DFlash widths 6-8 (published profile), DSpark, and
-#              the DFlash width-7 step's profile
+#   pairs      the MoE pair kernels: their GPU tests and bench_w4a16_pairs.py
+#   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 (published
+#              profile), DSpark, and the DFlash width-7 step's profile
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -152,6 +152,8 @@ pairs)
       -q -p no:cacheprovider -o addopts="" -rf 2>&1 | tail -30 > "$OUT/gpu_tests_pairs.log"
   tail -3 "$OUT/gpu_tests_pairs.log"
   timeout 80 python3 scripts/bench_w4a16_pairs.py > "$OUT/bench_pairs.jsonl" 2>>"$OUT/stderr.log"
+  ;;
+batch1)
   L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
      --output-len 256 --repeats 3 --batch-size 1"
   timeout 100 $L --out "$OUT/ar_b1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
