@@ -6,8 +6,7 @@ One kernel (``_w4a16_kernels.py``, which says how it decodes) serves every shape
   0-dim global scale, or one per row [N]: sibling projections stacked, never dequantized);
 - grouped (MoE): rows of ``x`` sorted by expert, ``expert_offsets[e]:expert_offsets[e+1]`` are
   expert e's rows, weights stacked [E, N, K/2] / [E, N, K/16] / [E];
-- pairs (MoE at decode): one block per (token, expert) pair, no sort (``pair_w4a16``); on
-  CUDA, calls of up to 16 tokens run the CUDA pair kernel instead (``w4a16_pairs.py``).
+- pairs (MoE at decode): one block per (token, expert) pair, no sort (``pair_w4a16``).
 
 Every function here (``_reference`` ones too) takes packed weights in the kernel's layout
 (``w4a16_layout.to_kernel_layout``: the checkpoint's bits moved within each 16-bit word),
@@ -67,9 +66,8 @@ def _pick_split_k(programs: int, k: int, block_k: int, sms: int, waves: float = 
     return split
 
 
-# Tile counters of the in-kernel split-K reduction, per (device, stream): the last CTA of a tile
-# resets its counter, so they stay zero between launches (one buffer per stream). Allocate
-# them (run once) before capturing a CUDA graph.
+# Tile counters of the in-kernel split-K reduction, one buffer per (device, stream); the last CTA
+# of a tile resets its counter. Allocate them (run once) before capturing a CUDA graph.
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -83,9 +81,8 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def split_plan(k: int, chunk: int, split: int) -> tuple[int, int]:
-    """(splits launched, K per split) for ``split`` asked-for splits of K: each split covers
-    whole ``chunk``s of K, so a large request can come out smaller (the sweep uses this to
-    skip splits that would launch the same kernel twice)."""
+    """(splits launched, K per split) for ``split`` asked-for splits of whole ``chunk``s of K
+    (fewer if K runs out: the sweep skips splits that would launch the same kernel twice)."""
     k_per_split = -(-k // split)
     k_per_split = -(-k_per_split // chunk) * chunk
     return -(-k // k_per_split), k_per_split
@@ -139,15 +136,12 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """``tables``: (expert, row0, row1) per row block for the grouped GEMM, None for dense.
     ``pairs`` (``pair_w4a16``): ``ids`` [tokens, topk], ``x_per_pair``, ``dedup``; one block
     per pair, ``num_blocks`` = pairs, ``out`` has a row per pair. ``relu2``: relu(.)^2 of
-    the rounded output, in the kernel's epilogue.
-
-    Keywords left None come from ``prefill`` (a large-M call's ``w4a16_prefill`` config: no
+    the rounded output, in the kernel's epilogue. Keywords left None come from ``prefill`` (a large-M call's ``w4a16_prefill`` config: no
     split-K), else ``v2_default_config``; the tuned table applies to ``v2`` only (the other
     variants are comparisons, and ``v2w`` needs its own tile shapes). ``n_inner``: the grid
     runs a row block's N tiles side by side; ``x_perm`` (prefill): x copied with each K
     chunk in the kernel's stream order; ``x_ordered`` = C: x already is (``stream_order(x, C)``),
-    C must be the config's K block.
-    """
+    C must be the config's K block."""
     interpret = interpreting()
     kernel = v2_kernel()
     if tables is None and pairs is None:
@@ -422,8 +416,7 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     often share experts; decoding, not only reading, is what a W4A16 call pays for);
     ``distinct`` promises no token names an expert twice (top-k routing), which skips the
     kernel's repeat count. ``relu2`` applies relu(.)^2 to the rounded result (an expert's up
-    projection). CUDA calls of one token, or of up to ``w4a16_pairs.MAX_TOKENS`` with
-    ``dedup``, run the CUDA pair kernel (same semantics; ``tile`` unused there).
+    projection). On CUDA, up to 16 tokens: ``w4a16_pairs.py``'s kernel (``tile`` unused).
 
     ``shared_parts`` = S > 0: the stack's last S experts are slices of the shared expert,
     which every token uses without being routed to them: the result gets S more rows per
@@ -454,10 +447,8 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
         return x.new_empty((rows, n))
     ws2 = weight_scale_2.reshape(e).to(torch.float32)
     if (dedup or tokens == 1) and pairs_cuda_ok(x, weight, tokens):
-        out = pair_w4a16_cuda(x, ids, weight, weight_scale, ws2, x_per_pair=x_per_pair,
-                              relu2=relu2, distinct=distinct, shared_parts=shared_parts,
-                              rows=rows)
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+        return pair_w4a16_cuda(x, ids, weight, weight_scale, ws2, x_per_pair=x_per_pair,
+                               relu2=relu2, distinct=distinct, shared_parts=shared_parts, rows=rows)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     ids = ids.contiguous()      # read in its own dtype: no conversion kernel per call
     blocks = pairs + (shared_parts if dedup else tokens * shared_parts)

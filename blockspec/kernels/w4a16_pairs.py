@@ -37,7 +37,7 @@ def default_tile(tokens: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=None)
 def _kernel(m_tiles: int, n_tiles: int, k_warps: int, k: int, device: int):
     """NVRTC -> cubin -> driver function, cached per tile shape, K and device."""
-    from torch.cuda import _utils as cuda_utils   # torch's NVRTC/driver bindings (CUDA only)
+    from torch.cuda import _utils as cuda_utils  # lazy: torch's NVRTC bindings, CUDA use only
     lib = (getattr(cuda_utils, "_get_gpu_rtc_library", None) or cuda_utils._get_nvrtc_library)()
     src = (f"#define MT {m_tiles}\n#define NT {n_tiles}\n#define KW {k_warps}\n"
            f"#define KDIM {k}\n" + _SOURCE.read_text())
@@ -73,9 +73,10 @@ def pair_w4a16_cuda(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                     relu2: bool, distinct: bool, shared_parts: int, rows: int,
                     m_tiles: int | None = None, k_warps: int | None = None) -> torch.Tensor:
     """``pair_w4a16`` with ``dedup`` (arguments checked there; ``ws2`` fp32 [E], ``rows`` the
-    result's rows) -> bf16 ``[rows, N]``."""
+    result's rows) -> ``[rows, N]`` in x's dtype (bf16 inside)."""
     tokens, topk = ids.shape
     e, n, half_k = weight.shape
+    out_dtype = x.dtype
     k = half_k * 2
     mt, kw = default_tile(tokens)
     mt, kw = m_tiles or mt, k_warps or kw
@@ -98,4 +99,4 @@ def pair_w4a16_cuda(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                  tokens, topk, n, shared_parts, e - shared_parts, int(x_per_pair),
                  int(relu2), int(distinct), x.stride(0), weight.stride(0), scale.stride(0),
                  out.stride(0)])
-    return out
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
