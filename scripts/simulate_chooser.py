@@ -109,7 +109,10 @@ def main() -> None:
     ap.add_argument("--warm-width", type=int, default=None,
                     help="first run as many steps pinned to this width (the bench's pinned rows)")
     ap.add_argument("--phases", default=None, help="EVERY,LEN,SCALE: low-acceptance phases")
+    ap.add_argument("--blind-margin", type=float, default=None,
+                    help="the chooser's blind_margin (default adaptive.BLIND_MARGIN; 0: off)")
     args = ap.parse_args()
+    chooser_kw = None if args.blind_margin is None else {"blind_margin": args.blind_margin}
     phases = None
     if args.phases:
         every, length, scale = args.phases.split(",")
@@ -120,7 +123,7 @@ def main() -> None:
         probs = list(parse_profile(args.profile)[1]) + [0.0] * len(table)
         profile = probs[:len(table) - 1]
         runs = [simulate(profile, b, table, args.steps, seed=s, warm_width=args.warm_width,
-                         phases=phases)
+                         phases=phases, chooser_kw=chooser_kw)
                 for s in range(args.seeds)]
         mean = sum(r["x_best_fixed"] for r in runs) / len(runs)
         print(json.dumps({**runs[0], "x_best_fixed_mean": round(mean, 4),

@@ -84,6 +84,23 @@ def test_probes_cost_at_most_their_share_of_step_time(probe_cost):
     assert extra <= 0.01 * sum(cost.measured[(64, w)] for w in picks) + probe_cost
 
 
+def test_plain_decoding_takes_the_margin():
+    """Width 1 verifies nothing, so the chooser takes it only if it still wins with position
+    1's estimate raised by blind_margin / sqrt(batch): a dip just under break-even keeps
+    verifying at batch 1, not at 64 (a pooled estimate is less noisy), nor a clear low."""
+    cost = CostTable()
+    for bs in (1, 64):
+        cost.measured.update({(bs, 1): 1.0, (bs, 2): 1.4})      # break-even at p = 0.4
+    chooser = WidthChooser((1, 2), cost, probe_every=0)
+    chooser.observe([[0.35]])
+    assert chooser.choose(1) == 2 and chooser.choose(64) == 1
+    chooser.observe([[0.25]])
+    assert chooser.choose(1) == 1
+    off = WidthChooser((1, 2), cost, probe_every=0, blind_margin=0.0)
+    off.observe([[0.35]])
+    assert off.choose(1) == 1
+
+
 def test_forced_widths_round_down_to_candidates():
     chooser = WidthChooser((1, 2, 4, 8), _cost(8))
     chooser.force = iter([8, 7, 3, 1, 5])

@@ -18,7 +18,8 @@ def test_sure_drafts_settle_on_the_widest_verify():
 
 
 def test_drafts_that_never_pass_fall_back_to_plain_decoding():
-    r = sim.simulate([0.0, 0.0, 0.0], batch=4, cost_ms=TABLE, steps=400)
+    # the engine row's prior (0.8) and the chooser's margin on width 1 give way in ~30 steps
+    r = sim.simulate([0.0, 0.0, 0.0], batch=4, cost_ms=TABLE, steps=800)
     assert r["best_fixed"] == 1 and r["x_width1"] == r["x_best_fixed"] > 0.95
     assert r["width_histogram"][0] > 0.9 * sum(r["width_histogram"])
 
