@@ -192,6 +192,7 @@ class WidthChooser:
         self.p = [(sum(col) + k * e) / (len(rows) + k) for col, e in zip(zip(*rows), engine)]
 
     def _best(self, bs: int, p: Sequence[float]) -> int:
+        """argmax over the candidates of E[w] / step time at acceptance ``p``."""
         return max(self.widths, key=lambda w: expected_tokens(p, w) / self.cost.time(bs, w))
 
     def fit(self, width: int) -> int:
@@ -205,7 +206,7 @@ class WidthChooser:
         if len(self.widths) == 1:
             return self.widths[0]
         best = self._best(bs, self.p)
-        if best == self.widths[0] and self.blind_margin:    # plain decoding learns nothing
+        if best == 1 and self.blind_margin:     # plain decoding verifies, so learns, nothing
             best = self._best(bs, [min(1.0, self.p[0] + self.blind_margin / bs ** 0.5),
                                    *self.p[1:]])
         if not self.probe_every or best == self.max_width:
