@@ -24,9 +24,9 @@ w chosen for the whole batch to maximise expected committed tokens per second.
   step, so it comes about every 90 steps rather than every 32). Width 1 verifies nothing, so
   once chosen its choice is revisited only by probes: it is taken only if it still wins with
   position 1's estimate raised by ``BLIND_MARGIN`` / sqrt(batch), the estimate's noise shrinking
-  with the rows pooled (scripts/simulate_chooser.py: at acceptance 0.5 and batch 1, 0.94 of the
-  best fixed width without it, 0.98 with it). No host sync is added: with launch-ahead, step
-  k + 1 is launched before step k is read back, so its width uses the EWMA of step k - 1.
+  with the rows pooled (its effect, simulated: docs/benchmarks.md). No host sync is added: with
+  launch-ahead, step k + 1 is launched before step k is read back, so its width uses the EWMA
+  of step k - 1.
 """
 from __future__ import annotations
 
