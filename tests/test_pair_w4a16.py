@@ -2,13 +2,15 @@
 per-pair torch reference.
 
 CPU: the Triton interpreter (exact fp32 decode, so indexing, dedup leaders, splits and the
-relu^2 epilogue are what is checked). GPU (``-m gpu``): the compiled kernel at Lightning's
-expert shapes, verify-sized token counts, random and shared routing, inside a CUDA graph.
+relu^2 epilogue are what is checked). GPU (``-m gpu``): the compiled kernels at Lightning's
+expert shapes, verify-sized token counts, random and shared routing, inside a CUDA graph; the
+CUDA kernel (``w4a16_pairs``, up to 16 tokens) at each tile shape, on odd shapes and ids.
 """
 import pytest
 import torch
 
 from blockspec.kernels import w4a16 as tw
+from blockspec.kernels import w4a16_pairs as tp
 from blockspec.kernels.triton_loader import triton_available
 from blockspec.quant.nvfp4 import quantize_nvfp4
 from blockspec.kernels.w4a16_layout import to_kernel_layout
@@ -175,3 +177,56 @@ def test_dense_relu2_epilogue_gpu(m):
     x = torch.randn(m, 2688, device="cuda", dtype=torch.bfloat16)
     ref = torch.square(torch.relu(tw.w4a16_linear(x, w, s, s2)))
     assert torch.equal(tw.w4a16_linear(x, w, s, s2, relu2=True), ref)  # same kernel, + epilogue
+
+
+def test_cuda_pairs_only_for_cuda_tensors():
+    w, _, _ = _experts(2, 16, 64, seed=0)
+    assert not tp.pairs_cuda_ok(torch.zeros(2, 64), w, 2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m_tiles, k_warps", [(1, 4), (2, 4), (2, 8)])
+@pytest.mark.parametrize("n, k", [(200, 320), (1856, 2688)])
+@pytest.mark.parametrize("tokens", [1, 5, 8, 9, 16])
+def test_cuda_pair_kernel_tiles_gpu(m_tiles, k_warps, n, k, tokens):
+    """Every tile shape against the reference: N not a multiple of the tile, K an odd number
+    of 64-wide units, int32 ids, one or two MMA tiles of tokens, shared slices riding."""
+    e, topk, shared = 24, 4, 2
+    w, s, s2 = _experts(e, n, k, seed=n + tokens, device="cuda")
+    ws2 = s2.reshape(e).float()
+    ids = _ids(tokens, topk, e - shared, seed=tokens, device="cuda", shared=1).int()
+    rows = tokens * (topk + shared)
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    xp = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    kw = dict(distinct=True, shared_parts=shared, rows=rows, m_tiles=m_tiles, k_warps=k_warps)
+    up = tp.pair_w4a16_cuda(x, ids, w, s, ws2, x_per_pair=False, relu2=True, **kw)
+    dn = tp.pair_w4a16_cuda(xp, ids, w, s, ws2, x_per_pair=True, relu2=False, **kw)
+    ref_up = tw.pair_w4a16_reference(x, ids, w, s, s2, relu2=True, shared_parts=shared)
+    ref_dn = tw.pair_w4a16_reference(xp, ids, w, s, s2, x_per_pair=True, shared_parts=shared)
+    assert up.shape == ref_up.shape and _rel(up, ref_up) <= 1e-2
+    assert bool((up >= 0).all())
+    assert dn.shape == ref_dn.shape and _rel(dn, ref_dn) <= 1e-2
+
+
+@gpu
+@needs_cuda
+def test_cuda_pair_kernel_repeated_ids_and_graph_gpu():
+    """Non-top-k ids (an expert twice in a token) keep every pair's row; in a CUDA graph the
+    leaders follow ids written between replays."""
+    e, n, k = 6, 96, 256
+    w, s, s2 = _experts(e, n, k, seed=2, device="cuda")
+    ids = torch.tensor([[2, 2, 1], [1, 2, 0], [5, 5, 5]], device="cuda")
+    xp = torch.randn(9, k, device="cuda", dtype=torch.bfloat16)
+    y = tw.pair_w4a16(xp, ids, w, s, s2, x_per_pair=True, dedup=True)
+    assert _rel(y, tw.pair_w4a16_reference(xp, ids, w, s, s2, x_per_pair=True)) <= 1e-2
+    static = _ids(7, 4, e, seed=1, device="cuda")
+    x = torch.randn(7, k, device="cuda", dtype=torch.bfloat16)
+    tw.pair_w4a16(x, static, w, s, s2, dedup=True, distinct=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tw.pair_w4a16(x, static, w, s, s2, dedup=True, distinct=True)
+    for seed in (3, 4):
+        static.copy_(_ids(7, 4, e, seed=seed, device="cuda"))
+        graph.replay()
+        assert _rel(out, tw.pair_w4a16_reference(x, static, w, s, s2)) <= 1e-2

@@ -39,6 +39,7 @@ from blockspec.kernels.nvfp4_dequant import dequant_grouped, dequant_linear
 from blockspec.kernels.triton_loader import interpreting, load_kernels, sm_count
 from blockspec.kernels.w4a16_blocks import expert_blocks, grouped_blocks  # noqa: F401 (MoE's)
 from blockspec.kernels.w4a16_layout import from_kernel_layout
+from blockspec.kernels.w4a16_pairs import pair_w4a16_cuda, pairs_cuda_ok
 from blockspec.kernels.w4a16_prefill import is_dense_prefill, is_grouped_prefill, prefill_config
 from blockspec.kernels.w4a16_tuned import check_v2_tile, tuned_config
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4
@@ -65,9 +66,8 @@ def _pick_split_k(programs: int, k: int, block_k: int, sms: int, waves: float = 
     return split
 
 
-# Tile counters of the in-kernel split-K reduction, per (device, stream): the last CTA of a tile
-# resets its counter, so they stay zero between launches (one buffer per stream). Allocate
-# them (run once) before capturing a CUDA graph.
+# Tile counters of the in-kernel split-K reduction, one buffer per (device, stream); the last CTA
+# of a tile resets its counter. Allocate them (run once) before capturing a CUDA graph.
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -81,9 +81,8 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def split_plan(k: int, chunk: int, split: int) -> tuple[int, int]:
-    """(splits launched, K per split) for ``split`` asked-for splits of K: each split covers
-    whole ``chunk``s of K, so a large request can come out smaller (the sweep uses this to
-    skip splits that would launch the same kernel twice)."""
+    """(splits launched, K per split) for ``split`` asked-for splits of whole ``chunk``s of K
+    (fewer if K runs out: the sweep skips splits that would launch the same kernel twice)."""
     k_per_split = -(-k // split)
     k_per_split = -(-k_per_split // chunk) * chunk
     return -(-k // k_per_split), k_per_split
@@ -137,15 +136,12 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """``tables``: (expert, row0, row1) per row block for the grouped GEMM, None for dense.
     ``pairs`` (``pair_w4a16``): ``ids`` [tokens, topk], ``x_per_pair``, ``dedup``; one block
     per pair, ``num_blocks`` = pairs, ``out`` has a row per pair. ``relu2``: relu(.)^2 of
-    the rounded output, in the kernel's epilogue.
-
-    Keywords left None come from ``prefill`` (a large-M call's ``w4a16_prefill`` config: no
+    the rounded output, in the kernel's epilogue. Keywords left None come from ``prefill`` (a large-M call's ``w4a16_prefill`` config: no
     split-K), else ``v2_default_config``; the tuned table applies to ``v2`` only (the other
     variants are comparisons, and ``v2w`` needs its own tile shapes). ``n_inner``: the grid
     runs a row block's N tiles side by side; ``x_perm`` (prefill): x copied with each K
     chunk in the kernel's stream order; ``x_ordered`` = C: x already is (``stream_order(x, C)``),
-    C must be the config's K block.
-    """
+    C must be the config's K block."""
     interpret = interpreting()
     kernel = v2_kernel()
     if tables is None and pairs is None:
@@ -420,7 +416,7 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     often share experts; decoding, not only reading, is what a W4A16 call pays for);
     ``distinct`` promises no token names an expert twice (top-k routing), which skips the
     kernel's repeat count. ``relu2`` applies relu(.)^2 to the rounded result (an expert's up
-    projection).
+    projection). On CUDA, up to 16 tokens: ``w4a16_pairs.py``'s kernel (``tile`` unused).
 
     ``shared_parts`` = S > 0: the stack's last S experts are slices of the shared expert,
     which every token uses without being routed to them: the result gets S more rows per
@@ -449,8 +445,11 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                          f"got {tokens}")
     if pairs == 0:
         return x.new_empty((rows, n))
-    x2 = x if x.stride(-1) == 1 else x.contiguous()
     ws2 = weight_scale_2.reshape(e).to(torch.float32)
+    if (dedup or tokens == 1) and pairs_cuda_ok(x, weight, tokens):
+        return pair_w4a16_cuda(x, ids, weight, weight_scale, ws2, x_per_pair=x_per_pair,
+                               relu2=relu2, distinct=distinct, shared_parts=shared_parts, rows=rows)
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
     ids = ids.contiguous()      # read in its own dtype: no conversion kernel per call
     blocks = pairs + (shared_parts if dedup else tokens * shared_parts)
     variant = default_variant()

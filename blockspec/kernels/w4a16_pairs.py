@@ -1,0 +1,102 @@
+"""The W4A16 MoE pair kernel at decode sizes, in CUDA (``_w4a16_pairs.cu``, which says why):
+each distinct expert of up to 16 tokens is read once, straight into mma.sync registers.
+
+Compiled at first use by NVRTC (the library torch's CUDA wheels ship) into a cubin for the
+device, once per tile shape and device, and launched through the driver on torch's current
+stream, so CUDA graphs capture it like any kernel. CPU tensors and the Triton interpreter never
+come here (``pair_w4a16`` sends them to the Triton kernel); ``pair_w4a16_reference`` is the
+oracle its GPU tests compare against.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from blockspec.kernels.triton_loader import interpreting
+
+_SOURCE = Path(__file__).with_name("_w4a16_pairs.cu")
+MAX_TOKENS = 16          # two n8 MMA tiles of tokens
+UNIT_K = 64              # K per thread-quad step: one scale group per lane
+
+
+def pairs_cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int) -> bool:
+    """Whether ``pair_w4a16``'s call can run here: CUDA tensors, at most ``MAX_TOKENS``
+    tokens, K a multiple of ``UNIT_K`` (the Lightning shapes are)."""
+    return (x.is_cuda and not interpreting() and 0 < tokens <= MAX_TOKENS
+            and (weight.shape[-1] * 2) % UNIT_K == 0)
+
+
+def default_tile(tokens: int) -> tuple[int, int]:
+    """(m_tiles, k_warps): 16-row MMA tiles per warp and warps splitting K in a CTA."""
+    return 2, 4
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(m_tiles: int, n_tiles: int, k_warps: int, k: int, device: int):
+    """NVRTC -> cubin -> driver function, cached per tile shape, K and device."""
+    from torch.cuda import _utils as cuda_utils  # lazy: torch's NVRTC bindings, CUDA use only
+    lib = (getattr(cuda_utils, "_get_gpu_rtc_library", None) or cuda_utils._get_nvrtc_library)()
+    src = (f"#define MT {m_tiles}\n#define NT {n_tiles}\n#define KW {k_warps}\n"
+           f"#define KDIM {k}\n" + _SOURCE.read_text())
+    major, minor = torch.cuda.get_device_capability(device)
+    prog = ctypes.c_void_p()
+    _nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"w4a16_pairs.cu",
+                                       0, None, None), "nvrtcCreateProgram")
+    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"--std=c++17"]
+    res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    if res != 0:
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"w4a16_pairs: NVRTC failed for sm_{major}{minor}:\n"
+                           f"{log.value.decode(errors='replace')}")
+    size = ctypes.c_size_t()
+    _nvrtc(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+    cubin = ctypes.create_string_buffer(size.value)
+    _nvrtc(lib, lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    with torch.cuda.device(device):
+        return cuda_utils._cuda_load_module(cubin.raw, ["w4a16_pairs"])["w4a16_pairs"]
+
+
+def _nvrtc(lib, status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"w4a16_pairs: {what} returned NVRTC status {status}")
+
+
+def pair_w4a16_cuda(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
+                    weight_scale: torch.Tensor, ws2: torch.Tensor, *, x_per_pair: bool,
+                    relu2: bool, distinct: bool, shared_parts: int, rows: int,
+                    m_tiles: int | None = None, k_warps: int | None = None) -> torch.Tensor:
+    """``pair_w4a16`` with ``dedup`` (arguments checked there; ``ws2`` fp32 [E], ``rows`` the
+    result's rows) -> ``[rows, N]`` in x's dtype (bf16 inside)."""
+    tokens, topk = ids.shape
+    e, n, half_k = weight.shape
+    out_dtype = x.dtype
+    k = half_k * 2
+    mt, kw = default_tile(tokens)
+    mt, kw = m_tiles or mt, k_warps or kw
+    if x.dtype != torch.bfloat16:
+        x = x.to(torch.bfloat16)
+    x = x.contiguous()
+    if x.data_ptr() % 16 or k % 8:
+        x = x.clone()                      # 16-byte loads of x
+    weight = weight.contiguous()
+    if weight.data_ptr() % 8:
+        weight = weight.clone()
+    scale = weight_scale.view(torch.uint8).contiguous()
+    ids = ids.contiguous()
+    out = torch.empty((rows, n), dtype=torch.bfloat16, device=x.device)
+    blocks = tokens * topk + shared_parts
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    kernel = _kernel(mt, 1 if tokens <= 8 else 2, kw, k, device)
+    kernel(grid=(blocks, -(-n // (16 * mt)), 1), block=(32 * kw, 1, 1),
+           args=[x, ids, 2 if ids.dtype == torch.int64 else 1, weight, scale, ws2, out,
+                 tokens, topk, n, shared_parts, e - shared_parts, int(x_per_pair),
+                 int(relu2), int(distinct), x.stride(0), weight.stride(0), scale.stride(0),
+                 out.stride(0)])
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)

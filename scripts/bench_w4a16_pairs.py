@@ -1,0 +1,106 @@
+"""The MoE pair calls of a decode step at Lightning's expert shapes: the CUDA kernel
+(``kernels/w4a16_pairs.py``) at each tile shape against the Triton pair kernel, per call and
+in GB/s of the distinct experts' bytes.
+
+Each measurement replays a CUDA graph of ``--calls`` launches over one stack of 128 routed
+experts + 2 shared slices, every launch with its own random top-6 routing (so the experts'
+bytes come from DRAM, as in a forward's 23 layers). One JSON line per (tokens, projection,
+kernel) on stdout.
+
+    python scripts/bench_w4a16_pairs.py --tokens 1,4,7,8,16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from blockspec.kernels import w4a16 as tw
+from blockspec.kernels import w4a16_pairs as tp
+
+SHAPES = {"up": (1856, 2688), "down": (2688, 1856)}   # (N, K) of a Lightning expert
+EXPERTS, SHARED, TOPK = 128, 2, 6
+
+
+def _stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random packed bytes and sane E4M3 scales (speed does not depend on the values)."""
+    e = EXPERTS + SHARED
+    w = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda")
+    s = torch.randint(0x28, 0x40, (e, n, k // 16), dtype=torch.uint8, device="cuda")
+    return w, s.view(torch.float8_e4m3fn), torch.rand(e, device="cuda") * 1e-2 + 1e-3
+
+
+def _routings(tokens: int, calls: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(tokens)])
+            .to("cuda") for _ in range(calls)]
+
+
+def _time(fn, calls: int, reps: int) -> float:
+    """Mean µs per call of ``fn(i)`` for i < calls, replayed in one graph."""
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * calls)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1,4,7,8,16")
+    ap.add_argument("--tiles", default="1x4,2x4,2x8,1x8,4x4,2x2",
+                    help="CUDA tile shapes m_tiles x k_warps")
+    ap.add_argument("--calls", type=int, default=23)
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
+    for proj, (n, k) in SHAPES.items():
+        w, s, s2 = _stack(n, k)
+        ws2 = s2.float()
+        expert_bytes = n * k // 2 + n * k // 16
+        for tokens in [int(t) for t in args.tokens.split(",")]:
+            ids = _routings(tokens, args.calls, seed=tokens)
+            rows = tokens * (TOPK + SHARED)
+            xs = [torch.randn(rows if proj == "down" else tokens, k, device="cuda",
+                              dtype=torch.bfloat16) for _ in range(args.calls)]
+            distinct = sum(len(set(i.reshape(-1).tolist())) + SHARED for i in ids) / len(ids)
+            common = dict(x_per_pair=proj == "down", relu2=proj == "up", distinct=True,
+                          shared_parts=SHARED)
+
+            def triton(i):
+                return tw._launch_v2(
+                    xs[i], w, s, ws2, None, tokens * TOPK + (SHARED if tokens > 1 else
+                                                             tokens * SHARED),
+                    16, n, k, torch.bfloat16, "v2", relu2=common["relu2"],
+                    pairs={"ids": ids[i], "x_per_pair": common["x_per_pair"],
+                           "dedup": tokens > 1, "distinct": True, "shared": SHARED,
+                           "rows": rows})
+
+            runs = [("triton", triton)]
+            for mt, kw in tiles:
+                runs.append((f"cuda {mt}x{kw}", lambda i, mt=mt, kw=kw: tp.pair_w4a16_cuda(
+                    xs[i], ids[i], w, s, ws2, rows=rows, m_tiles=mt, k_warps=kw, **common)))
+            ref = triton(0).float()
+            for name, fn in runs:
+                err = ((fn(0).float() - ref).norm() / ref.norm()).item()
+                us = _time(fn, args.calls, args.reps)
+                print(json.dumps({"proj": proj, "tokens": tokens, "kernel": name,
+                                  "us": round(us, 2), "distinct_experts": round(distinct, 1),
+                                  "gb_s": round(distinct * expert_bytes / us / 1e3, 1),
+                                  "rel_err_vs_triton": round(err, 5)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
