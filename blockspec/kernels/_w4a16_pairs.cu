@@ -24,11 +24,61 @@
 
 #define U32 unsigned int
 
-__device__ __forceinline__ U32 bmul(U32 a, U32 s) {
+// The device primitives: every PTX instruction and memory access the kernel makes goes
+// through one of these, so that tests/cuda_emu can run the kernel below, unchanged, on a CPU
+// (with CUDA_EMU defined it supplies its own versions).
+#ifndef CUDA_EMU
+__device__ __forceinline__ U32 bmul(U32 a, U32 s) {  // bf16x2 a * s, round to nearest even
   U32 d;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(s));
   return d;
 }
+
+__device__ __forceinline__ float h2f(unsigned short h) {  // fp16 bits -> fp32
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ U32 f2bf2(float f) {  // fp32 -> bf16x2 (f, f), nearest even
+  U32 d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(f));
+  return d;
+}
+
+__device__ __forceinline__ unsigned short f2bf(float f) {  // fp32 -> bf16 bits, nearest even
+  unsigned short y;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(y) : "f"(f));
+  return y;
+}
+
+__device__ __forceinline__ void mma(float* c, U32 a0, U32 a1, U32 a2, U32 a3, U32 b0, U32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ld_w(const unsigned char* p, U32* v) {  // 8 bytes, 8-aligned
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v[0]), "=r"(v[1]) : "l"(p));
+}
+
+__device__ __forceinline__ U32 ld_u8(const unsigned char* p) {
+  U32 v;
+  asm("ld.global.nc.u8 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void ld_x(const unsigned short* p, U32* v) {  // 16 bytes, 16-aligned
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
+}
+
+template <typename T>
+__device__ __forceinline__ T ldg(const T* p) { return *p; }
+
+__device__ __forceinline__ void st_u16(unsigned short* p, unsigned short v) { *p = v; }
+#endif
 
 // Streams 0..3 of the two words in w (kernel layout, kernels/w4a16_layout.py), times s.
 __device__ __forceinline__ void decode8(U32 w, U32 s, U32* o) {
@@ -41,35 +91,7 @@ __device__ __forceinline__ void decode8(U32 w, U32 s, U32* o) {
 
 // E4M3 scale byte -> bf16x2 (scale * 2^118 twice): fp16 bits (b & 0x7F) << 7 are scale * 2^-8.
 __device__ __forceinline__ U32 scale2(U32 b) {
-  unsigned short h = (unsigned short)((b & 0x7Fu) << 7);
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  f *= 8.507059173023462e+37f;  // 2^126
-  U32 d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(f));
-  return d;
-}
-
-__device__ __forceinline__ void mma(float* c, U32 a0, U32 a1, U32 a2, U32 a3, U32 b0, U32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ld_w(const unsigned char* p, U32* v) {
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v[0]), "=r"(v[1]) : "l"(p));
-}
-
-__device__ __forceinline__ U32 ld_u8(const unsigned char* p) {
-  U32 v;
-  asm("ld.global.nc.u8 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void ld_x(const unsigned short* p, U32* v) {
-  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "l"(p));
+  return f2bf2(h2f((unsigned short)((b & 0x7Fu) << 7)) * 8.507059173023462e+37f);  // * 2^126
 }
 
 // K is compiled in: the row strides of the packed weights and scales become immediates.
@@ -153,15 +175,15 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_pairs(
   __syncthreads();
   int e;
   if (!shared_blk) {
-    e = ids[b * ids_step];
+    e = ldg(ids + b * ids_step);
     int occ_b = 0;
     if (!distinct)
-      for (int j = (b / topk) * topk; j < b; ++j) occ_b += ids[j * ids_step] == e;
+      for (int j = (b / topk) * topk; j < b; ++j) occ_b += ldg(ids + j * ids_step) == e;
     for (int j = tid; j < npairs; j += KW * 32) {
-      if (ids[j * ids_step] != e) continue;
+      if (ldg(ids + j * ids_step) != e) continue;
       int occ = 0;
       if (!distinct)
-        for (int jj = (j / topk) * topk; jj < j; ++jj) occ += ids[jj * ids_step] == e;
+        for (int jj = (j / topk) * topk; jj < j; ++jj) occ += ldg(ids + jj * ids_step) == e;
       if (occ == occ_b) atomicMin(&s_first[j / topk], j);
     }
   } else {
@@ -214,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_pairs(
   const int iters = max((KDIM >> 6) - warp + KW - 1, 0) / KW;
   // Two register buffers: while one unit is decoded the next one's bytes are in flight.
   U32 wa[MT][2][2], sa[MT][2], wb[MT][2][2], sb[MT][2];
-  load_rows(pw, ps, ok, wa, sa, SW, SS);
+  if (iters > 0) load_rows(pw, ps, ok, wa, sa, SW, SS);  // a warp past K's units reads nothing
   for (int it = 0; it < iters; it += 2) {
     if (it + 1 < iters) load_rows(pw + 32 * KW, ps + 4 * KW, ok, wb, sb, SW, SS);
     unit_rows_mma(acc, wa, sa, px);
@@ -236,7 +258,7 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_pairs(
       s_red[warp][16 * i + g + 8][8 * j + 2 * t + 1] = acc[i][j][3];
     }
   __syncthreads();
-  const float gs = ws2[e] * 256.f;
+  const float gs = ldg(ws2 + e) * 256.f;
   for (int idx = tid; idx < MT * 16 * NT * 8; idx += KW * 32) {
     const int row = idx % (MT * 16), tok = idx / (MT * 16);
     const int orow = s_orow[tok], n = n0 + row;
@@ -244,14 +266,11 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_pairs(
     float v = 0.f;
 #pragma unroll
     for (int k = 0; k < KW; ++k) v += s_red[k][row][tok];
-    unsigned short y;
-    v *= gs;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(y) : "f"(v));
+    unsigned short y = f2bf(v * gs);
     if (relu2) {
-      float yf = __uint_as_float(((U32)y) << 16);
-      yf = yf > 0.f ? yf * yf : 0.f;
-      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(y) : "f"(yf));
+      const float yf = __uint_as_float(((U32)y) << 16);
+      y = f2bf(yf > 0.f ? yf * yf : 0.f);
     }
-    out[(long long)orow * stride_om + n] = y;
+    st_u16(out + (long long)orow * stride_om + n, y);
   }
 }

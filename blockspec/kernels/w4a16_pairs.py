@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from blockspec.kernels.triton_loader import interpreting
 
-_SOURCE = Path(__file__).with_name("_w4a16_pairs.cu")
+SOURCE = Path(__file__).with_name("_w4a16_pairs.cu")
 MAX_TOKENS = 16          # two n8 MMA tiles of tokens
 UNIT_K = 64              # K per thread-quad step: one scale group per lane
 
@@ -40,7 +41,7 @@ def _kernel(m_tiles: int, n_tiles: int, k_warps: int, k: int, device: int):
     from torch.cuda import _utils as cuda_utils  # lazy: torch's NVRTC bindings, CUDA use only
     lib = (getattr(cuda_utils, "_get_gpu_rtc_library", None) or cuda_utils._get_nvrtc_library)()
     src = (f"#define MT {m_tiles}\n#define NT {n_tiles}\n#define KW {k_warps}\n"
-           f"#define KDIM {k}\n" + _SOURCE.read_text())
+           f"#define KDIM {k}\n" + SOURCE.read_text())
     major, minor = torch.cuda.get_device_capability(device)
     prog = ctypes.c_void_p()
     _nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"w4a16_pairs.cu",
@@ -68,12 +69,31 @@ def _nvrtc(lib, status: int, what: str) -> None:
         raise RuntimeError(f"w4a16_pairs: {what} returned NVRTC status {status}")
 
 
-def pair_w4a16_cuda(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
-                    weight_scale: torch.Tensor, ws2: torch.Tensor, *, x_per_pair: bool,
-                    relu2: bool, distinct: bool, shared_parts: int, rows: int,
-                    m_tiles: int | None = None, k_warps: int | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One launch of the kernel: its compile-time shape, grid, block and arguments (tensors
+    as they are passed), the output they fill and the dtype ``pair_w4a16`` returns. CPU tests
+    run the same plan through the kernel's CPU emulation (tests/cuda_emu)."""
+    m_tiles: int
+    n_tiles: int
+    k_warps: int
+    k: int
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    args: list
+    out: torch.Tensor
+    out_dtype: torch.dtype
+
+    def result(self) -> torch.Tensor:
+        return self.out if self.out_dtype == torch.bfloat16 else self.out.to(self.out_dtype)
+
+
+def plan_launch(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
+                weight_scale: torch.Tensor, ws2: torch.Tensor, *, x_per_pair: bool,
+                relu2: bool, distinct: bool, shared_parts: int, rows: int,
+                m_tiles: int | None = None, k_warps: int | None = None) -> LaunchPlan:
     """``pair_w4a16`` with ``dedup`` (arguments checked there; ``ws2`` fp32 [E], ``rows`` the
-    result's rows) -> ``[rows, N]`` in x's dtype (bf16 inside)."""
+    result's rows) as a launch of the kernel, its output allocated on x's device."""
     tokens, topk = ids.shape
     e, n, half_k = weight.shape
     out_dtype = x.dtype
@@ -90,13 +110,21 @@ def pair_w4a16_cuda(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
         weight = weight.clone()
     scale = weight_scale.view(torch.uint8).contiguous()
     ids = ids.contiguous()
+    ws2 = ws2.contiguous()
     out = torch.empty((rows, n), dtype=torch.bfloat16, device=x.device)
     blocks = tokens * topk + shared_parts
+    args = [x, ids, 2 if ids.dtype == torch.int64 else 1, weight, scale, ws2, out,
+            tokens, topk, n, shared_parts, e - shared_parts, int(x_per_pair), int(relu2),
+            int(distinct), x.stride(0), weight.stride(0), scale.stride(0), out.stride(0)]
+    return LaunchPlan(mt, 1 if tokens <= 8 else 2, kw, k, (blocks, -(-n // (16 * mt)), 1),
+                      (32 * kw, 1, 1), args, out, out_dtype)
+
+
+def pair_w4a16_cuda(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
+                    weight_scale: torch.Tensor, ws2: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``plan_launch``'s launch on x's CUDA device -> ``[rows, N]`` in x's dtype."""
+    plan = plan_launch(x, ids, weight, weight_scale, ws2, **kwargs)
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(mt, 1 if tokens <= 8 else 2, kw, k, device)
-    kernel(grid=(blocks, -(-n // (16 * mt)), 1), block=(32 * kw, 1, 1),
-           args=[x, ids, 2 if ids.dtype == torch.int64 else 1, weight, scale, ws2, out,
-                 tokens, topk, n, shared_parts, e - shared_parts, int(x_per_pair),
-                 int(relu2), int(distinct), x.stride(0), weight.stride(0), scale.stride(0),
-                 out.stride(0)])
-    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+    kernel = _kernel(plan.m_tiles, plan.n_tiles, plan.k_warps, plan.k, device)
+    kernel(grid=plan.grid, block=plan.block, args=plan.args)
+    return plan.result()

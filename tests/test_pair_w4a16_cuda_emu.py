@@ -1,0 +1,121 @@
+"""The CUDA pair kernel's own source (``kernels/_w4a16_pairs.cu``) run on the CPU by
+``tests/cuda_emu`` against ``pair_w4a16_reference``, through the same launch plan the GPU path
+uses: every tile shape, one and two MMA tiles of tokens, N not a tile multiple, K units fewer
+than the warps splitting them, int32 and int64 ids, repeated ids, threads scheduled in both
+orders. Then mutated copies of the kernel, to show these checks fail when the kernel is wrong.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockspec.kernels import w4a16 as tw
+from blockspec.kernels import w4a16_pairs as tp
+from tests import cuda_emu
+from tests.test_pair_w4a16 import _experts, _ids, _rel
+
+pytestmark = pytest.mark.skipif(cuda_emu.compiler() is None, reason="needs a C++ compiler")
+
+E, TOPK, SHARED = 12, 4, 2
+
+
+def _case(tokens: int, n: int, k: int, seed: int, ids_dtype=torch.int32):
+    w, s, s2 = _experts(E, n, k, seed=seed)
+    ids = _ids(tokens, TOPK, E - SHARED, seed=seed + tokens, shared=1).to(ids_dtype)
+    return w, s, s2, ids
+
+
+def _run(x, ids, w, s, s2, *, x_per_pair, relu2, distinct=True, shared=SHARED, tile=(2, 4),
+         reverse=False, source=tp.SOURCE):
+    rows = ids.numel() + ids.shape[0] * shared
+    plan = tp.plan_launch(x, ids, w, s, s2.reshape(-1).float(), x_per_pair=x_per_pair,
+                          relu2=relu2, distinct=distinct, shared_parts=shared, rows=rows,
+                          m_tiles=tile[0], k_warps=tile[1])
+    return cuda_emu.run_w4a16_pairs(plan, reverse=reverse, source=source)
+
+
+@pytest.mark.parametrize("tile", [(1, 4), (2, 4), (2, 8)])
+@pytest.mark.parametrize("tokens", [1, 5, 9, 16])
+def test_emulated_kernel_matches_reference(tile, tokens):
+    n, k = 200, 448                       # 7 row tiles of 32 (the last one partial), 7 K units
+    w, s, s2, ids = _case(tokens, n, k, seed=tile[0] * 10 + tile[1])
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, k, generator=g).bfloat16()
+    xp = torch.randn(tokens * (TOPK + SHARED), k, generator=g).bfloat16()
+    up = _run(x, ids, w, s, s2, x_per_pair=False, relu2=True, tile=tile)
+    ref_up = tw.pair_w4a16_reference(x, ids, w, s, s2, relu2=True, shared_parts=SHARED)
+    assert not up.isnan().any(), "a row the kernel owns was never written"
+    assert _rel(up, ref_up) <= 1e-2 and bool((up >= 0).all())
+    dn = _run(xp, ids, w, s, s2, x_per_pair=True, relu2=False, tile=tile, reverse=tokens > 8)
+    ref_dn = tw.pair_w4a16_reference(xp, ids, w, s, s2, x_per_pair=True, shared_parts=SHARED)
+    assert not dn.isnan().any() and _rel(dn, ref_dn) <= 1e-2
+
+
+@pytest.mark.parametrize("k", [2688, 1856])
+def test_emulated_kernel_at_lightning_k(k):
+    """Lightning's expert K (42 and 29 units: 11/11/10/10 and 8/7/7/7 per warp, so the
+    double-buffered loop ends on either buffer), 7 tokens as a width-7 verify."""
+    w, s, s2, ids = _case(7, 48, k, seed=k)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    y = _run(x, ids, w, s, s2, x_per_pair=False, relu2=True)
+    ref = tw.pair_w4a16_reference(x, ids, w, s, s2, relu2=True, shared_parts=SHARED)
+    assert not y.isnan().any() and _rel(y, ref) <= 1e-2
+
+
+def test_emulated_kernel_with_fewer_k_units_than_warps_and_int64_ids():
+    """K = 320 is 5 units for 8 warps: three warps own none and must load nothing (the last
+    expert's last rows end the weight buffer, so a stray prologue load leaves it)."""
+    w, s, s2, ids = _case(6, 200, 320, seed=4, ids_dtype=torch.int64)
+    x = torch.randn(6, 320, generator=torch.Generator().manual_seed(1)).bfloat16()
+    y = _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=(2, 8))
+    assert _rel(y, tw.pair_w4a16_reference(x, ids, w, s, s2, shared_parts=SHARED)) <= 1e-2
+
+
+def test_emulated_kernel_keeps_repeated_ids_apart():
+    """Without ``distinct`` the key is (expert, earlier occurrences in the token): token 0
+    names expert 2 twice and token 2 names expert 5 three times; every pair keeps its row."""
+    w, s, s2 = _experts(6, 96, 256, seed=2)
+    ids = torch.tensor([[2, 2, 1], [1, 2, 0], [5, 5, 5]], dtype=torch.int32)
+    xp = torch.randn(9, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    for reverse in (False, True):
+        y = _run(xp, ids, w, s, s2, x_per_pair=True, relu2=False, distinct=False, shared=0,
+                 reverse=reverse)
+        assert _rel(y, tw.pair_w4a16_reference(xp, ids, w, s, s2, x_per_pair=True)) <= 1e-2
+
+
+def _mutant(tmp_path: Path, old: str, new: str) -> Path:
+    text = tp.SOURCE.read_text()
+    assert text.count(old) == 1, old
+    path = tmp_path / "_w4a16_pairs.cu"
+    path.write_text(text.replace(old, new))
+    return path
+
+
+@pytest.mark.parametrize("old, new", [
+    ("xv[4 * hf + 2], 0x5410)", "xv[4 * hf + 2], 0x7610)"),     # x paired with the wrong K
+    ("  __syncthreads();\n  const float gs", "  const float gs"),  # sum before every warp wrote
+    ("e = shared_base + b - npairs;", "e = shared_base;"),        # one slice for every slice
+    ("(x_per_pair ? orow : tid)", "(x_per_pair ? tid : orow)"),   # a pair's x row for a token's
+])
+def test_a_wrong_kernel_fails(tmp_path, old, new):
+    w, s, s2, ids = _case(5, 64, 256, seed=7)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    ref = tw.pair_w4a16_reference(x, ids, w, s, s2, shared_parts=SHARED)
+    good = _run(x, ids, w, s, s2, x_per_pair=False, relu2=False)
+    assert _rel(good, ref) <= 1e-2
+    try:
+        bad = _run(x, ids, w, s, s2, x_per_pair=False, relu2=False,
+                   source=_mutant(tmp_path, old, new))
+    except RuntimeError as e:                 # the emulator caught a bad access
+        assert "cuda_emu:" in str(e)
+    else:
+        assert bad.isnan().any() or _rel(bad, ref) > 0.05
+
+
+def test_a_stray_load_is_reported(tmp_path):
+    source = _mutant(tmp_path, "if (iters > 0) load_rows(pw, ps, ok, wa, sa, SW, SS);",
+                     "load_rows(pw, ps, ok, wa, sa, SW, SS);")
+    w, s, s2, ids = _case(2, 64, 320, seed=5)
+    x = torch.randn(2, 320).bfloat16()
+    with pytest.raises(RuntimeError, match=r"ld_w .*outside every buffer; x offset"):
+        _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=(2, 8), source=source)
