@@ -6,6 +6,10 @@ relu^2 epilogue are what is checked). GPU (``-m gpu``): the compiled kernels at 
 expert shapes, verify-sized token counts, random and shared routing, inside a CUDA graph; the
 CUDA kernel (``w4a16_pairs``, up to 16 tokens) at each tile shape, on odd shapes and ids.
 """
+import ctypes
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -230,3 +234,36 @@ def test_cuda_pair_kernel_repeated_ids_and_graph_gpu():
         static.copy_(_ids(7, 4, e, seed=seed, device="cuda"))
         graph.replay()
         assert _rel(out, tw.pair_w4a16_reference(x, static, w, s, s2)) <= 1e-2
+
+
+def test_nvrtc_found_in_the_pip_wheels(tmp_path):
+    """Where torch's loader finds no NVRTC, the newest versioned one of the wheels is used."""
+    assert tp.wheel_nvrtc([tmp_path]) is None
+    for pkg, name in [("cu12", "libnvrtc.so.12"), ("cu13", "libnvrtc.so.13"),
+                      ("cu13", "libnvrtc-builtins.so.13.0"), ("cuda_nvrtc", "libnvrtc.so.9")]:
+        (tmp_path / pkg / "lib").mkdir(parents=True, exist_ok=True)
+        (tmp_path / pkg / "lib" / name).write_bytes(b"")
+    assert tp.wheel_nvrtc([tmp_path]) == tmp_path / "cu13" / "lib" / "libnvrtc.so.13"
+
+
+def _nvrtc_or_skip() -> ctypes.CDLL:
+    if torch.version.cuda:
+        from torch.cuda import _utils
+        return tp._nvrtc_library(_utils)
+    spec = importlib.util.find_spec("nvidia")
+    path = tp.wheel_nvrtc([Path(p) for p in spec.submodule_search_locations]) if spec else None
+    if path is None:
+        pytest.skip("no NVRTC: a CPU torch and no nvidia-cuda-nvrtc wheel")
+    return ctypes.CDLL(str(path))
+
+
+@pytest.mark.parametrize("tile", [(1, 1, 4), (2, 1, 4), (2, 2, 4), (2, 1, 8)])
+def test_kernel_compiles_for_hopper(tile):
+    """The launch path's own NVRTC compile (no GPU needed, only the library): an sm_90 cubin
+    with the kernel's symbol, at Lightning's two expert K; a bad option says what failed."""
+    lib = _nvrtc_or_skip()
+    for k in (2688, 1856):
+        cubin = tp.compile_cubin(lib, *tile, k, "sm_90")
+        assert cubin[:4] == b"\x7fELF" and b"w4a16_pairs" in cubin
+    with pytest.raises(RuntimeError, match="NVRTC failed for sm_0"):
+        tp.compile_cubin(lib, *tile, 2688, "sm_0")

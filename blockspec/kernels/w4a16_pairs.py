@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,29 +40,61 @@ def default_tile(tokens: int) -> tuple[int, int]:
 def _kernel(m_tiles: int, n_tiles: int, k_warps: int, k: int, device: int):
     """NVRTC -> cubin -> driver function, cached per tile shape, K and device."""
     from torch.cuda import _utils as cuda_utils  # lazy: torch's NVRTC bindings, CUDA use only
-    lib = (getattr(cuda_utils, "_get_gpu_rtc_library", None) or cuda_utils._get_nvrtc_library)()
+    major, minor = torch.cuda.get_device_capability(device)
+    cubin = compile_cubin(_nvrtc_library(cuda_utils), m_tiles, n_tiles, k_warps, k,
+                          f"sm_{major}{minor}")
+    with torch.cuda.device(device):
+        return cuda_utils._cuda_load_module(cubin, ["w4a16_pairs"])["w4a16_pairs"]
+
+
+def compile_cubin(lib: ctypes.CDLL, m_tiles: int, n_tiles: int, k_warps: int, k: int,
+                  arch: str) -> bytes:
+    """The kernel for one tile shape and K, compiled by NVRTC (``lib``) for ``arch``."""
     src = (f"#define MT {m_tiles}\n#define NT {n_tiles}\n#define KW {k_warps}\n"
            f"#define KDIM {k}\n" + SOURCE.read_text())
-    major, minor = torch.cuda.get_device_capability(device)
     prog = ctypes.c_void_p()
     _nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"w4a16_pairs.cu",
                                        0, None, None), "nvrtcCreateProgram")
-    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"--std=c++17"]
-    res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    if res != 0:
+    try:
+        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
+        if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)):
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"w4a16_pairs: NVRTC failed for {arch}:\n"
+                               f"{log.value.decode(errors='replace')}")
         size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        raise RuntimeError(f"w4a16_pairs: NVRTC failed for sm_{major}{minor}:\n"
-                           f"{log.value.decode(errors='replace')}")
-    size = ctypes.c_size_t()
-    _nvrtc(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
-    cubin = ctypes.create_string_buffer(size.value)
-    _nvrtc(lib, lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    with torch.cuda.device(device):
-        return cuda_utils._cuda_load_module(cubin.raw, ["w4a16_pairs"])["w4a16_pairs"]
+        _nvrtc(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        cubin = ctypes.create_string_buffer(size.value)
+        _nvrtc(lib, lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _nvrtc_library(cuda_utils) -> ctypes.CDLL:
+    """torch's NVRTC loader, else the pip CUDA wheels' own library (``wheel_nvrtc``)."""
+    try:
+        return (getattr(cuda_utils, "_get_gpu_rtc_library", None)
+                or cuda_utils._get_nvrtc_library)()
+    except OSError:
+        spec = importlib.util.find_spec("nvidia")
+        path = wheel_nvrtc([Path(p) for p in (spec.submodule_search_locations or [])]
+                           if spec else [])
+        if path is None:
+            raise RuntimeError("w4a16_pairs: no NVRTC library: torch's loader found none and "
+                               "no nvidia/*/lib/libnvrtc.so.* is installed") from None
+        return ctypes.CDLL(str(path))
+
+
+def wheel_nvrtc(roots: list[Path]) -> Path | None:
+    """The newest ``nvidia/<package>/lib/libnvrtc.so.<major>`` under the ``nvidia`` package's
+    folders ``roots``: older torch asks only for an unversioned ``libnvrtc.so``, which the
+    pip CUDA wheels do not ship."""
+    found = [p for r in roots for p in r.glob("*/lib/libnvrtc.so.*")]
+    return max(found, key=lambda p: [int(v) for v in p.name.split(".so.")[1].split(".")
+                                      if v.isdigit()], default=None)
 
 
 def _nvrtc(lib, status: int, what: str) -> None:
