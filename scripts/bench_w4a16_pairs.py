@@ -60,8 +60,9 @@ def _time(fn, calls: int, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,4,7,8,16")
-    ap.add_argument("--tiles", default="1x4,2x4,2x8,1x8,4x4,2x2",
-                    help="CUDA tile shapes m_tiles x k_warps")
+    ap.add_argument("--tiles", default="1x4x1,2x4x1,2x8x1,1x8x1,4x4x1,2x2x1,1x4x2,2x4x2,"
+                                       "2x8x2,2x4x3",
+                    help="CUDA tile shapes m_tiles x k_warps x prefetch")
     ap.add_argument("--calls", type=int, default=23)
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
@@ -89,9 +90,10 @@ def main() -> None:
                            "rows": rows})
 
             runs = [("triton", triton)]
-            for mt, kw in tiles:
-                runs.append((f"cuda {mt}x{kw}", lambda i, mt=mt, kw=kw: tp.pair_w4a16_cuda(
-                    xs[i], ids[i], w, s, ws2, rows=rows, m_tiles=mt, k_warps=kw, **common)))
+            for mt, kw, pf in tiles:
+                runs.append((f"cuda {mt}x{kw}x{pf}", lambda i, mt=mt, kw=kw, pf=pf:
+                             tp.pair_w4a16_cuda(xs[i], ids[i], w, s, ws2, rows=rows, m_tiles=mt,
+                                                k_warps=kw, prefetch=pf, **common)))
             ref = triton(0).float()
             for name, fn in runs:
                 err = ((fn(0).float() - ref).norm() / ref.norm()).item()

@@ -190,10 +190,10 @@ def test_cuda_pairs_only_for_cuda_tensors():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("m_tiles, k_warps", [(1, 4), (2, 4), (2, 8)])
+@pytest.mark.parametrize("m_tiles, k_warps, prefetch", [(1, 4, 1), (2, 4, 1), (2, 8, 1), (2, 4, 2)])
 @pytest.mark.parametrize("n, k", [(200, 320), (1856, 2688)])
 @pytest.mark.parametrize("tokens", [1, 5, 8, 9, 16])
-def test_cuda_pair_kernel_tiles_gpu(m_tiles, k_warps, n, k, tokens):
+def test_cuda_pair_kernel_tiles_gpu(m_tiles, k_warps, prefetch, n, k, tokens):
     """Every tile shape against the reference: N not a multiple of the tile, K an odd number
     of 64-wide units, int32 ids, one or two MMA tiles of tokens, shared slices riding."""
     e, topk, shared = 24, 4, 2
@@ -203,7 +203,8 @@ def test_cuda_pair_kernel_tiles_gpu(m_tiles, k_warps, n, k, tokens):
     rows = tokens * (topk + shared)
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     xp = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    kw = dict(distinct=True, shared_parts=shared, rows=rows, m_tiles=m_tiles, k_warps=k_warps)
+    kw = dict(distinct=True, shared_parts=shared, rows=rows, m_tiles=m_tiles, k_warps=k_warps,
+              prefetch=prefetch)
     up = tp.pair_w4a16_cuda(x, ids, w, s, ws2, x_per_pair=False, relu2=True, **kw)
     dn = tp.pair_w4a16_cuda(xp, ids, w, s, ws2, x_per_pair=True, relu2=False, **kw)
     ref_up = tw.pair_w4a16_reference(x, ids, w, s, s2, relu2=True, shared_parts=shared)
@@ -257,7 +258,7 @@ def _nvrtc_or_skip() -> ctypes.CDLL:
     return ctypes.CDLL(str(path))
 
 
-@pytest.mark.parametrize("tile", [(1, 1, 4), (2, 1, 4), (2, 2, 4), (2, 1, 8)])
+@pytest.mark.parametrize("tile", [(1, 1, 4, 1), (2, 1, 4, 1), (2, 2, 4, 2), (2, 1, 8, 3)])
 def test_kernel_compiles_for_hopper(tile):
     """The launch path's own NVRTC compile (no GPU needed, only the library): an sm_90 cubin
     with the kernel's symbol, at Lightning's two expert K; a bad option says what failed."""

@@ -25,20 +25,20 @@ def _case(tokens: int, n: int, k: int, seed: int, ids_dtype=torch.int32):
     return w, s, s2, ids
 
 
-def _run(x, ids, w, s, s2, *, x_per_pair, relu2, distinct=True, shared=SHARED, tile=(2, 4),
+def _run(x, ids, w, s, s2, *, x_per_pair, relu2, distinct=True, shared=SHARED, tile=(2, 4, 1),
          reverse=False, source=tp.SOURCE):
     rows = ids.numel() + ids.shape[0] * shared
     plan = tp.plan_launch(x, ids, w, s, s2.reshape(-1).float(), x_per_pair=x_per_pair,
                           relu2=relu2, distinct=distinct, shared_parts=shared, rows=rows,
-                          m_tiles=tile[0], k_warps=tile[1])
+                          m_tiles=tile[0], k_warps=tile[1], prefetch=tile[2])
     return cuda_emu.run_w4a16_pairs(plan, reverse=reverse, source=source)
 
 
-@pytest.mark.parametrize("tile", [(1, 4), (2, 4), (2, 8)])
+@pytest.mark.parametrize("tile", [(1, 4, 1), (2, 4, 1), (2, 8, 1), (2, 4, 2)])
 @pytest.mark.parametrize("tokens", [1, 5, 9, 16])
 def test_emulated_kernel_matches_reference(tile, tokens):
     n, k = 200, 448                       # 7 row tiles of 32 (the last one partial), 7 K units
-    w, s, s2, ids = _case(tokens, n, k, seed=tile[0] * 10 + tile[1])
+    w, s, s2, ids = _case(tokens, n, k, seed=tile[0] * 10 + tile[1] + tile[2])
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, k, generator=g).bfloat16()
     xp = torch.randn(tokens * (TOPK + SHARED), k, generator=g).bfloat16()
@@ -51,13 +51,14 @@ def test_emulated_kernel_matches_reference(tile, tokens):
     assert not dn.isnan().any() and _rel(dn, ref_dn) <= 1e-2
 
 
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
 @pytest.mark.parametrize("k", [2688, 1856])
-def test_emulated_kernel_at_lightning_k(k):
+def test_emulated_kernel_at_lightning_k(k, prefetch):
     """Lightning's expert K (42 and 29 units: 11/11/10/10 and 8/7/7/7 per warp, so the
-    double-buffered loop ends on either buffer), 7 tokens as a width-7 verify."""
+    buffer ring ends at every position), 7 tokens as a width-7 verify."""
     w, s, s2, ids = _case(7, 48, k, seed=k)
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(k)).bfloat16()
-    y = _run(x, ids, w, s, s2, x_per_pair=False, relu2=True)
+    y = _run(x, ids, w, s, s2, x_per_pair=False, relu2=True, tile=(2, 4, prefetch))
     ref = tw.pair_w4a16_reference(x, ids, w, s, s2, relu2=True, shared_parts=SHARED)
     assert not y.isnan().any() and _rel(y, ref) <= 1e-2
 
@@ -67,7 +68,7 @@ def test_emulated_kernel_with_fewer_k_units_than_warps_and_int64_ids():
     expert's last rows end the weight buffer, so a stray prologue load leaves it)."""
     w, s, s2, ids = _case(6, 200, 320, seed=4, ids_dtype=torch.int64)
     x = torch.randn(6, 320, generator=torch.Generator().manual_seed(1)).bfloat16()
-    y = _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=(2, 8))
+    y = _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=(2, 8, 2))
     assert _rel(y, tw.pair_w4a16_reference(x, ids, w, s, s2, shared_parts=SHARED)) <= 1e-2
 
 
@@ -113,9 +114,8 @@ def test_a_wrong_kernel_fails(tmp_path, old, new):
 
 
 def test_a_stray_load_is_reported(tmp_path):
-    source = _mutant(tmp_path, "if (iters > 0) load_rows(pw, ps, ok, wa, sa, SW, SS);",
-                     "load_rows(pw, ps, ok, wa, sa, SW, SS);")
+    source = _mutant(tmp_path, "if (r < iters) load_rows(", "load_rows(")
     w, s, s2, ids = _case(2, 64, 320, seed=5)
     x = torch.randn(2, 320).bfloat16()
     with pytest.raises(RuntimeError, match=r"ld_w .*outside every buffer; x offset"):
-        _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=(2, 8), source=source)
+        _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=(2, 8, 1), source=source)

@@ -1,6 +1,6 @@
 // W4A16 NVFP4 MoE at decode sizes: the tokens of one expert (a speculative verify's block,
 // at most 16) times that expert's packed weights, one CTA per (expert, 16 * MT output rows).
-// Compiled at run time by NVRTC (kernels/w4a16_pairs.py) with MT, NT, KW and KDIM (= K)
+// Compiled at run time by NVRTC (kernels/w4a16_pairs.py) with MT, NT, KW, PF and KDIM (= K)
 // defined; weights and scales are contiguous per expert.
 //
 // Why not the Triton kernel: at these sizes a Triton tile goes global -> shared -> registers
@@ -18,7 +18,8 @@
 // The decode is the Triton kernel's (kernels/_w4a16_kernels.py): bf16 E2M1 * 2^-126 times
 // the block scale as bf16 scale * 2^118, exact; weight_scale_2 * 2^8 scales the fp32 sum.
 //
-// KW warps split K (unit u goes to warp u % KW) and sum their partials in shared memory.
+// KW warps split K (unit u goes to warp u % KW) and sum their partials in shared memory;
+// each warp keeps PF units' loads in flight ahead of the one it decodes.
 // Blocks: one per (token, expert) pair plus one per shared-expert slice; of the pairs naming
 // one expert only the first (the leader) runs, for all its tokens.
 
@@ -234,17 +235,25 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_pairs(
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
   const int iters = max((KDIM >> 6) - warp + KW - 1, 0) / KW;
-  // Two register buffers: while one unit is decoded the next one's bytes are in flight.
-  U32 wa[MT][2][2], sa[MT][2], wb[MT][2][2], sb[MT][2];
-  if (iters > 0) load_rows(pw, ps, ok, wa, sa, SW, SS);  // a warp past K's units reads nothing
-  for (int it = 0; it < iters; it += 2) {
-    if (it + 1 < iters) load_rows(pw + 32 * KW, ps + 4 * KW, ok, wb, sb, SW, SS);
-    unit_rows_mma(acc, wa, sa, px);
-    if (it + 1 >= iters) break;
-    pw += 64 * KW;
-    ps += 8 * KW;
-    if (it + 2 < iters) load_rows(pw, ps, ok, wa, sa, SW, SS);
-    unit_rows_mma(acc, wb, sb, px);
+  // A ring of PF + 1 register buffers: while one unit is decoded, the next PF units' bytes
+  // are in flight. Unit it + r sits in buffer r (the inner loop is unrolled, so every
+  // buffer index is a constant); a warp past K's units loads nothing.
+  constexpr int NB = PF + 1;
+  U32 wv[NB][MT][2][2], sv[NB][MT][2];
+#pragma unroll
+  for (int r = 0; r < PF; ++r)
+    if (r < iters) load_rows(pw + r * 32 * KW, ps + r * 4 * KW, ok, wv[r], sv[r], SW, SS);
+  for (int it = 0; it < iters; it += NB) {
+#pragma unroll
+    for (int r = 0; r < NB; ++r) {
+      if (it + r >= iters) break;
+      if (it + r + PF < iters)
+        load_rows(pw + (r + PF) * 32 * KW, ps + (r + PF) * 4 * KW, ok, wv[(r + PF) % NB],
+                  sv[(r + PF) % NB], SW, SS);
+      unit_rows_mma(acc, wv[r], sv[r], px);
+    }
+    pw += NB * 32 * KW;
+    ps += NB * 4 * KW;
   }
 
   // c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8

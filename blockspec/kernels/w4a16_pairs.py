@@ -31,27 +31,28 @@ def pairs_cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int) -> bool:
             and (weight.shape[-1] * 2) % UNIT_K == 0)
 
 
-def default_tile(tokens: int) -> tuple[int, int]:
-    """(m_tiles, k_warps): 16-row MMA tiles per warp and warps splitting K in a CTA."""
-    return 2, 4
+def default_tile(tokens: int) -> tuple[int, int, int]:
+    """(m_tiles, k_warps, prefetch): 16-row MMA tiles per warp, warps splitting K in a CTA,
+    and 64-K units each warp keeps loading ahead of the one it decodes."""
+    return 2, 4, 1
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(m_tiles: int, n_tiles: int, k_warps: int, k: int, device: int):
+def _kernel(m_tiles: int, n_tiles: int, k_warps: int, prefetch: int, k: int, device: int):
     """NVRTC -> cubin -> driver function, cached per tile shape, K and device."""
     from torch.cuda import _utils as cuda_utils  # lazy: torch's NVRTC bindings, CUDA use only
     major, minor = torch.cuda.get_device_capability(device)
-    cubin = compile_cubin(_nvrtc_library(cuda_utils), m_tiles, n_tiles, k_warps, k,
+    cubin = compile_cubin(_nvrtc_library(cuda_utils), m_tiles, n_tiles, k_warps, prefetch, k,
                           f"sm_{major}{minor}")
     with torch.cuda.device(device):
         return cuda_utils._cuda_load_module(cubin, ["w4a16_pairs"])["w4a16_pairs"]
 
 
-def compile_cubin(lib: ctypes.CDLL, m_tiles: int, n_tiles: int, k_warps: int, k: int,
-                  arch: str) -> bytes:
+def compile_cubin(lib: ctypes.CDLL, m_tiles: int, n_tiles: int, k_warps: int, prefetch: int,
+                  k: int, arch: str) -> bytes:
     """The kernel for one tile shape and K, compiled by NVRTC (``lib``) for ``arch``."""
     src = (f"#define MT {m_tiles}\n#define NT {n_tiles}\n#define KW {k_warps}\n"
-           f"#define KDIM {k}\n" + SOURCE.read_text())
+           f"#define PF {prefetch}\n#define KDIM {k}\n" + SOURCE.read_text())
     prog = ctypes.c_void_p()
     _nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"w4a16_pairs.cu",
                                        0, None, None), "nvrtcCreateProgram")
@@ -110,6 +111,7 @@ class LaunchPlan:
     m_tiles: int
     n_tiles: int
     k_warps: int
+    prefetch: int
     k: int
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
@@ -124,15 +126,16 @@ class LaunchPlan:
 def plan_launch(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                 weight_scale: torch.Tensor, ws2: torch.Tensor, *, x_per_pair: bool,
                 relu2: bool, distinct: bool, shared_parts: int, rows: int,
-                m_tiles: int | None = None, k_warps: int | None = None) -> LaunchPlan:
+                m_tiles: int | None = None, k_warps: int | None = None,
+                prefetch: int | None = None) -> LaunchPlan:
     """``pair_w4a16`` with ``dedup`` (arguments checked there; ``ws2`` fp32 [E], ``rows`` the
     result's rows) as a launch of the kernel, its output allocated on x's device."""
     tokens, topk = ids.shape
     e, n, half_k = weight.shape
     out_dtype = x.dtype
     k = half_k * 2
-    mt, kw = default_tile(tokens)
-    mt, kw = m_tiles or mt, k_warps or kw
+    mt, kw, pf = default_tile(tokens)
+    mt, kw, pf = m_tiles or mt, k_warps or kw, prefetch or pf
     if x.dtype != torch.bfloat16:
         x = x.to(torch.bfloat16)
     x = x.contiguous()
@@ -149,7 +152,7 @@ def plan_launch(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     args = [x, ids, 2 if ids.dtype == torch.int64 else 1, weight, scale, ws2, out,
             tokens, topk, n, shared_parts, e - shared_parts, int(x_per_pair), int(relu2),
             int(distinct), x.stride(0), weight.stride(0), scale.stride(0), out.stride(0)]
-    return LaunchPlan(mt, 1 if tokens <= 8 else 2, kw, k, (blocks, -(-n // (16 * mt)), 1),
+    return LaunchPlan(mt, 1 if tokens <= 8 else 2, kw, pf, k, (blocks, -(-n // (16 * mt)), 1),
                       (32 * kw, 1, 1), args, out, out_dtype)
 
 
@@ -158,6 +161,6 @@ def pair_w4a16_cuda(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     """``plan_launch``'s launch on x's CUDA device -> ``[rows, N]`` in x's dtype."""
     plan = plan_launch(x, ids, weight, weight_scale, ws2, **kwargs)
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(plan.m_tiles, plan.n_tiles, plan.k_warps, plan.k, device)
+    kernel = _kernel(plan.m_tiles, plan.n_tiles, plan.k_warps, plan.prefetch, plan.k, device)
     kernel(grid=plan.grid, block=plan.block, args=plan.args)
     return plan.result()

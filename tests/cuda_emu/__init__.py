@@ -60,7 +60,8 @@ def run_w4a16_pairs(plan: w4a16_pairs.LaunchPlan, reverse: bool = False,
     if plan.grid[2] != 1:
         raise ValueError(f"cuda_emu: grid {plan.grid} has z != 1")
     lib = _library(source, HERE / "w4a16_pairs_launch.cpp",
-                   {"MT": plan.m_tiles, "NT": plan.n_tiles, "KW": plan.k_warps, "KDIM": plan.k})
+                   {"MT": plan.m_tiles, "NT": plan.n_tiles, "KW": plan.k_warps,
+                    "PF": plan.prefetch, "KDIM": plan.k})
     fn = lib.emu_w4a16_pairs
     fn.restype = ctypes.c_char_p
     tensors = [a for a in plan.args if isinstance(a, torch.Tensor)]
