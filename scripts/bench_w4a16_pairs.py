@@ -5,7 +5,7 @@ in GB/s of the distinct experts' bytes.
 Each measurement replays a CUDA graph of ``--calls`` launches over one stack of 128 routed
 experts + 2 shared slices, every launch with its own random top-6 routing (so the experts'
 bytes come from DRAM, as in a forward's 23 layers). One JSON line per (tokens, projection,
-kernel) on stdout.
+kernel) on stdout; the best tile per (projection, tokens) against Triton on stderr.
 
     python scripts/bench_w4a16_pairs.py --tokens 1,4,7,8,16
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -95,13 +96,18 @@ def main() -> None:
                              tp.pair_w4a16_cuda(xs[i], ids[i], w, s, ws2, rows=rows, m_tiles=mt,
                                                 k_warps=kw, prefetch=pf, **common)))
             ref = triton(0).float()
+            times = {}
             for name, fn in runs:
                 err = ((fn(0).float() - ref).norm() / ref.norm()).item()
-                us = _time(fn, args.calls, args.reps)
+                us = times[name] = _time(fn, args.calls, args.reps)
                 print(json.dumps({"proj": proj, "tokens": tokens, "kernel": name,
                                   "us": round(us, 2), "distinct_experts": round(distinct, 1),
                                   "gb_s": round(distinct * expert_bytes / us / 1e3, 1),
                                   "rel_err_vs_triton": round(err, 5)}), flush=True)
+            best = min((n for n in times if n != "triton"), key=times.get)
+            print(f"{proj} {tokens:2d} tokens: triton {times['triton']:.2f} us, best {best} "
+                  f"{times[best]:.2f} us ({times['triton'] / times[best]:.2f}x)",
+                  file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -151,7 +151,9 @@ pairs)
   timeout 120 python3 -m pytest -m gpu tests/test_pair_w4a16.py \
       -q -p no:cacheprovider -o addopts="" -rf 2>&1 | tail -30 > "$OUT/gpu_tests_pairs.log"
   tail -3 "$OUT/gpu_tests_pairs.log"
-  timeout 80 python3 scripts/bench_w4a16_pairs.py > "$OUT/bench_pairs.jsonl" 2>>"$OUT/stderr.log"
+  timeout 150 python3 scripts/bench_w4a16_pairs.py > "$OUT/bench_pairs.jsonl" \
+      2> "$OUT/bench_pairs_summary.txt"
+  cat "$OUT/bench_pairs_summary.txt"
   ;;
 batch1)
   L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
