@@ -119,3 +119,11 @@ def test_a_stray_load_is_reported(tmp_path):
     x = torch.randn(2, 320).bfloat16()
     with pytest.raises(RuntimeError, match=r"ld_w .*outside every buffer; x offset"):
         _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=(2, 8, 1), source=source)
+
+
+def test_a_kernel_that_does_not_compile_says_so(tmp_path):
+    source = _mutant(tmp_path, "const int BIG = 0x7fffffff;", "const int BIG = ;")
+    w, s, s2, ids = _case(1, 32, 64, seed=1)
+    with pytest.raises(RuntimeError, match=r"failed on _w4a16_pairs.cu:[\s\S]*BIG"):
+        _run(torch.zeros(1, 64).bfloat16(), ids, w, s, s2, x_per_pair=False, relu2=False,
+             source=source)

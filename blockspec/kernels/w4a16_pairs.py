@@ -5,7 +5,8 @@ Compiled at first use by NVRTC (the library torch's CUDA wheels ship) into a cub
 device, once per tile shape and device, and launched through the driver on torch's current
 stream, so CUDA graphs capture it like any kernel. CPU tensors and the Triton interpreter never
 come here (``pair_w4a16`` sends them to the Triton kernel); ``pair_w4a16_reference`` is the
-oracle its GPU tests compare against.
+oracle its GPU tests compare against, and CPU tests run the kernel's own source through
+tests/cuda_emu.
 """
 from __future__ import annotations
 

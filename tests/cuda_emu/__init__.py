@@ -38,9 +38,11 @@ def _library(kernel: Path, entry: Path, defines: dict[str, int]) -> ctypes.CDLL:
     lib = cache / f"{kernel.stem}_{key.hexdigest()[:16]}.so"
     if not lib.exists():
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        subprocess.run([cxx, *flags, "-I", str(HERE), "-include", "cuda_emu.h",
-                        "-x", "c++", str(kernel), "-x", "c++", str(entry), "-o", str(tmp)],
-                       check=True, capture_output=True, text=True)
+        done = subprocess.run([cxx, *flags, "-I", str(HERE), "-include", "cuda_emu.h",
+                               "-x", "c++", str(kernel), "-x", "c++", str(entry), "-o", str(tmp)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"cuda_emu: {cxx} failed on {kernel.name}:\n{done.stderr[-4000:]}")
         os.replace(tmp, lib)
     return ctypes.CDLL(str(lib))
 
