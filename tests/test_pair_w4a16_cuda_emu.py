@@ -127,3 +127,62 @@ def test_a_kernel_that_does_not_compile_says_so(tmp_path):
     with pytest.raises(RuntimeError, match=r"failed on _w4a16_pairs.cu:[\s\S]*BIG"):
         _run(torch.zeros(1, 64).bfloat16(), ids, w, s, s2, x_per_pair=False, relu2=False,
              source=source)
+
+
+def test_pair_w4a16_dispatches_to_the_kernel_as_planned(monkeypatch):
+    """``pair_w4a16`` itself, its CUDA branch taken on CPU tensors and the kernel emulated:
+    the arguments it derives (rows, the fp32 global scales, dedup of up to 16 tokens, the
+    shared slices, 1-token calls without dedup) reach the kernel right."""
+    calls = []
+
+    def emulated(plan, device):
+        calls.append(plan)
+        return cuda_emu.emulated_launcher(plan)
+
+    monkeypatch.setattr(tw, "pairs_cuda_ok", lambda x, w, tokens: 0 < tokens <= 16)
+    monkeypatch.setattr(tp, "launcher", emulated)
+    w, s, s2 = _experts(E, 64, 256, seed=9)
+    wd, sd, s2d = _experts(E, 256, 64, seed=10)
+    for tokens, dedup in [(1, False), (7, True), (16, True)]:
+        ids = _ids(tokens, TOPK, E - SHARED, seed=tokens)
+        x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+        kw = dict(dedup=dedup, distinct=True, shared_parts=SHARED)
+        up = tw.pair_w4a16(x, ids, w, s, s2, relu2=True, **kw)
+        ref_up = tw.pair_w4a16_reference(x, ids, w, s, s2, relu2=True, shared_parts=SHARED)
+        assert up.shape == ref_up.shape and _rel(up, ref_up) <= 1e-2
+        dn = tw.pair_w4a16(up, ids, wd, sd, s2d, x_per_pair=True, **kw)
+        ref_dn = tw.pair_w4a16_reference(up, ids, wd, sd, s2d, x_per_pair=True,
+                                         shared_parts=SHARED)
+        assert _rel(dn, ref_dn) <= 1e-2
+    assert [p.grid[0] for p in calls] == [1 * TOPK + SHARED] * 2 + [7 * TOPK + SHARED] * 2 + \
+        [16 * TOPK + SHARED] * 2
+    assert [p.n_tiles for p in calls[::2]] == [1, 1, 2]
+
+
+def test_moe_layer_with_the_shared_expert_riding(monkeypatch):
+    """A quantized tiny target's MoE layer on its pair path (the shared expert's slices
+    riding in the routed experts' two launches) through the emulated kernel, against its
+    reference expert loop plus the shared expert."""
+    from blockspec.bench import presets
+
+    launches = []
+
+    def emulated(plan, device):
+        launches.append(plan.grid)
+        return cuda_emu.emulated_launcher(plan)
+
+    monkeypatch.setattr(tw, "pairs_cuda_ok", lambda x, w, tokens: 0 < tokens <= tp.MAX_TOKENS
+                        and (w.shape[-1] * 2) % tp.UNIT_K == 0)
+    monkeypatch.setattr(tp, "launcher", emulated)
+    torch.manual_seed(0)
+    model = presets.build_target("tiny", torch.device("cpu"), torch.bfloat16, True)
+    moe = next(b.mixer for b in model.backbone.layers if b.kind == "moe")
+    assert moe._shared_parts > 0
+    for tokens in (1, 7):
+        x = torch.randn(tokens, model.cfg.hidden_size).bfloat16()
+        with torch.no_grad():
+            ids, w = moe.gate(x)
+            y = moe.routed_pairs(x, ids, w, None, ride=True)
+            ref = moe.routed_reference(x, ids, w, moe.shared_experts(x))
+        assert _rel(y, ref) <= 1e-2
+    assert len(launches) == 4

@@ -161,7 +161,12 @@ def pair_w4a16_cuda(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                     weight_scale: torch.Tensor, ws2: torch.Tensor, **kwargs) -> torch.Tensor:
     """``plan_launch``'s launch on x's CUDA device -> ``[rows, N]`` in x's dtype."""
     plan = plan_launch(x, ids, weight, weight_scale, ws2, **kwargs)
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(plan.m_tiles, plan.n_tiles, plan.k_warps, plan.prefetch, plan.k, device)
-    kernel(grid=plan.grid, block=plan.block, args=plan.args)
+    launcher(plan, x.device)(grid=plan.grid, block=plan.block, args=plan.args)
     return plan.result()
+
+
+def launcher(plan: LaunchPlan, device: torch.device):
+    """The compiled kernel for ``plan``'s shape on ``device`` (CPU tests put the emulator's
+    launch here)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _kernel(plan.m_tiles, plan.n_tiles, plan.k_warps, plan.prefetch, plan.k, index)

@@ -59,20 +59,31 @@ def run_w4a16_pairs(plan: w4a16_pairs.LaunchPlan, reverse: bool = False,
     """Runs ``plan`` (``w4a16_pairs.plan_launch`` on CPU tensors) on the CPU, threads in
     order or in ``reverse``; raises with the emulator's message when an access or a barrier
     failed. ``source``: the kernel file (a mutated copy, to show a test can fail)."""
-    if plan.grid[2] != 1:
-        raise ValueError(f"cuda_emu: grid {plan.grid} has z != 1")
+    plan.out.fill_(float("nan"))            # rows the kernel should write and does not show
+    emulated_launcher(plan, reverse, source)(grid=plan.grid, block=plan.block, args=plan.args)
+    return plan.result()
+
+
+def emulated_launcher(plan: w4a16_pairs.LaunchPlan, reverse: bool = False,
+                      source: Path = w4a16_pairs.SOURCE):
+    """A stand-in for ``w4a16_pairs.launcher(plan, device)``'s kernel: the same call
+    (grid, block, args), run by the emulator."""
     lib = _library(source, HERE / "w4a16_pairs_launch.cpp",
                    {"MT": plan.m_tiles, "NT": plan.n_tiles, "KW": plan.k_warps,
                     "PF": plan.prefetch, "KDIM": plan.k})
     fn = lib.emu_w4a16_pairs
     fn.restype = ctypes.c_char_p
-    tensors = [a for a in plan.args if isinstance(a, torch.Tensor)]
-    bytes_ = (ctypes.c_longlong * len(tensors))(*[_extent(t) for t in tensors])
-    args = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a)
-            for a in plan.args]
-    plan.out.fill_(float("nan"))            # rows the kernel should write and does not show
-    err = fn(ctypes.c_uint(plan.grid[0]), ctypes.c_uint(plan.grid[1]),
-             ctypes.c_uint(plan.block[0]), ctypes.c_int(int(reverse)), bytes_, *args)
-    if err is not None:
-        raise RuntimeError(f"cuda_emu: {err.decode()}")
-    return plan.result()
+
+    def launch(grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> None:
+        if grid[2] != 1 or block[1:] != (1, 1):
+            raise ValueError(f"cuda_emu: grid {grid} / block {block}: only x and y are used")
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        extents = (ctypes.c_longlong * len(tensors))(*[_extent(t) for t in tensors])
+        c_args = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+                  else ctypes.c_int(a) for a in args]
+        err = fn(ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(block[0]),
+                 ctypes.c_int(int(reverse)), extents, *c_args)
+        if err is not None:
+            raise RuntimeError(f"cuda_emu: {err.decode()}")
+
+    return launch
