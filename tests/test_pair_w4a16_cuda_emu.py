@@ -14,7 +14,7 @@ from blockspec.kernels import w4a16_pairs as tp
 from tests import cuda_emu
 from tests.test_pair_w4a16 import _experts, _ids, _rel
 
-pytestmark = pytest.mark.skipif(cuda_emu.compiler() is None, reason="needs a C++ compiler")
+needs_cxx = pytest.mark.skipif(cuda_emu.compiler() is None, reason="needs a C++ compiler")
 
 E, TOPK, SHARED = 12, 4, 2
 
@@ -34,6 +34,7 @@ def _run(x, ids, w, s, s2, *, x_per_pair, relu2, distinct=True, shared=SHARED, t
     return cuda_emu.run_w4a16_pairs(plan, reverse=reverse, source=source)
 
 
+@needs_cxx
 @pytest.mark.parametrize("tile", [(1, 4, 1), (2, 4, 1), (2, 8, 1), (2, 4, 2)])
 @pytest.mark.parametrize("tokens", [1, 5, 9, 16])
 def test_emulated_kernel_matches_reference(tile, tokens):
@@ -51,6 +52,7 @@ def test_emulated_kernel_matches_reference(tile, tokens):
     assert not dn.isnan().any() and _rel(dn, ref_dn) <= 1e-2
 
 
+@needs_cxx
 @pytest.mark.parametrize("prefetch", [1, 2, 3])
 @pytest.mark.parametrize("k", [2688, 1856])
 def test_emulated_kernel_at_lightning_k(k, prefetch):
@@ -63,6 +65,7 @@ def test_emulated_kernel_at_lightning_k(k, prefetch):
     assert not y.isnan().any() and _rel(y, ref) <= 1e-2
 
 
+@needs_cxx
 def test_emulated_kernel_with_fewer_k_units_than_warps_and_int64_ids():
     """K = 320 is 5 units for 8 warps: three warps own none and must load nothing (the last
     expert's last rows end the weight buffer, so a stray prologue load leaves it)."""
@@ -72,6 +75,7 @@ def test_emulated_kernel_with_fewer_k_units_than_warps_and_int64_ids():
     assert _rel(y, tw.pair_w4a16_reference(x, ids, w, s, s2, shared_parts=SHARED)) <= 1e-2
 
 
+@needs_cxx
 def test_emulated_kernel_keeps_repeated_ids_apart():
     """Without ``distinct`` the key is (expert, earlier occurrences in the token): token 0
     names expert 2 twice and token 2 names expert 5 three times; every pair keeps its row."""
@@ -92,6 +96,7 @@ def _mutant(tmp_path: Path, old: str, new: str) -> Path:
     return path
 
 
+@needs_cxx
 @pytest.mark.parametrize("old, new", [
     ("xv[4 * hf + 2], 0x5410)", "xv[4 * hf + 2], 0x7610)"),     # x paired with the wrong K
     ("  __syncthreads();\n  const float gs", "  const float gs"),  # sum before every warp wrote
@@ -113,6 +118,7 @@ def test_a_wrong_kernel_fails(tmp_path, old, new):
         assert bad.isnan().any() or _rel(bad, ref) > 0.05
 
 
+@needs_cxx
 def test_a_stray_load_is_reported(tmp_path):
     source = _mutant(tmp_path, "if (r < iters) load_rows(", "load_rows(")
     w, s, s2, ids = _case(2, 64, 320, seed=5)
@@ -121,6 +127,7 @@ def test_a_stray_load_is_reported(tmp_path):
         _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=(2, 8, 1), source=source)
 
 
+@needs_cxx
 def test_a_kernel_that_does_not_compile_says_so(tmp_path):
     source = _mutant(tmp_path, "const int BIG = 0x7fffffff;", "const int BIG = ;")
     w, s, s2, ids = _case(1, 32, 64, seed=1)
@@ -129,6 +136,7 @@ def test_a_kernel_that_does_not_compile_says_so(tmp_path):
              source=source)
 
 
+@needs_cxx
 def test_pair_w4a16_dispatches_to_the_kernel_as_planned(monkeypatch):
     """``pair_w4a16`` itself, its CUDA branch taken on CPU tensors and the kernel emulated:
     the arguments it derives (rows, the fp32 global scales, dedup of up to 16 tokens, the
@@ -159,6 +167,7 @@ def test_pair_w4a16_dispatches_to_the_kernel_as_planned(monkeypatch):
     assert [p.n_tiles for p in calls[::2]] == [1, 1, 2]
 
 
+@needs_cxx
 def test_moe_layer_with_the_shared_expert_riding(monkeypatch):
     """A quantized tiny target's MoE layer on its pair path (the shared expert's slices
     riding in the routed experts' two launches) through the emulated kernel, against its
@@ -186,3 +195,16 @@ def test_moe_layer_with_the_shared_expert_riding(monkeypatch):
             ref = moe.routed_reference(x, ids, w, moe.shared_experts(x))
         assert _rel(y, ref) <= 1e-2
     assert len(launches) == 4
+
+
+def test_kernel_source_ships_with_the_package():
+    """The kernel is compiled from its .cu file at run time, so a non-editable install must
+    carry it (pyproject's package-data)."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["blockspec"]
+    rel = tp.SOURCE.relative_to(root / "blockspec").as_posix()
+    assert any(fnmatch.fnmatch(rel, g) for g in globs)
