@@ -1,6 +1,7 @@
 """The MoE pair calls of a decode step at Lightning's expert shapes: the CUDA kernel
 (``kernels/w4a16_pairs.py``) at each tile shape against the Triton pair kernel, per call and
-in GB/s of the distinct experts' bytes.
+in GB/s of the distinct experts' bytes; then dense calls of up to 16 rows (the kernel's dense
+mode against ``w4a16_linear``'s Triton kernel).
 
 Each measurement replays a CUDA graph of ``--calls`` launches over one stack of 128 routed
 experts + 2 shared slices, every launch with its own random top-6 routing (so the experts'
@@ -21,12 +22,18 @@ from blockspec.kernels import w4a16 as tw
 from blockspec.kernels import w4a16_pairs as tp
 
 SHAPES = {"up": (1856, 2688), "down": (2688, 1856)}   # (N, K) of a Lightning expert
+# (N, K, a global scale per output row) of dense calls: the published-size draft's fused
+# projections (bench/draft_presets.py) and the W4A16 LM head
+DENSE = {"draft_qkv": (6144, 2688, True), "draft_o": (2688, 4096, False),
+         "draft_gate_up": (10752, 2688, True), "draft_down": (2688, 5376, False),
+         "lm_head": (131072, 2688, False)}
 EXPERTS, SHARED, TOPK = 128, 2, 6
 
 
-def _stack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _stack(n: int, k: int, experts: int = EXPERTS + SHARED
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random packed bytes and sane E4M3 scales (speed does not depend on the values)."""
-    e = EXPERTS + SHARED
+    e = experts
     w = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda")
     s = torch.randint(0x28, 0x40, (e, n, k // 16), dtype=torch.uint8, device="cuda")
     return w, s.view(torch.float8_e4m3fn), torch.rand(e, device="cuda") * 1e-2 + 1e-3
@@ -64,6 +71,7 @@ def main() -> None:
     ap.add_argument("--tiles", default="1x4x1,2x4x1,2x8x1,1x8x1,4x4x1,2x2x1,1x4x2,2x4x2,"
                                        "2x8x2,2x4x3",
                     help="CUDA tile shapes m_tiles x k_warps x prefetch")
+    ap.add_argument("--dense-rows", default="1,7,8")
     ap.add_argument("--calls", type=int, default=23)
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
@@ -95,19 +103,48 @@ def main() -> None:
                 runs.append((f"cuda {mt}x{kw}x{pf}", lambda i, mt=mt, kw=kw, pf=pf:
                              tp.pair_w4a16_cuda(xs[i], ids[i], w, s, ws2, rows=rows, m_tiles=mt,
                                                 k_warps=kw, prefetch=pf, **common)))
-            ref = triton(0).float()
-            times = {}
-            for name, fn in runs:
-                err = ((fn(0).float() - ref).norm() / ref.norm()).item()
-                us = times[name] = _time(fn, args.calls, args.reps)
-                print(json.dumps({"proj": proj, "tokens": tokens, "kernel": name,
-                                  "us": round(us, 2), "distinct_experts": round(distinct, 1),
-                                  "gb_s": round(distinct * expert_bytes / us / 1e3, 1),
-                                  "rel_err_vs_triton": round(err, 5)}), flush=True)
-            best = min((n for n in times if n != "triton"), key=times.get)
-            print(f"{proj} {tokens:2d} tokens: triton {times['triton']:.2f} us, best {best} "
-                  f"{times[best]:.2f} us ({times['triton'] / times[best]:.2f}x)",
-                  file=sys.stderr, flush=True)
+            _report({"proj": proj, "tokens": tokens}, runs, args, expert_bytes, distinct)
+    dense(args, tiles)
+
+
+def dense(args, tiles) -> None:
+    """Dense W4A16 calls of up to 16 rows (the published-size draft's projections, the LM
+    head): the CUDA kernel's dense mode at each tile against ``w4a16_linear``'s Triton kernel
+    with its tuned table, over enough weight copies that each call reads DRAM."""
+    for name, (n, k, per_row) in DENSE.items():
+        wbytes = n * k // 2 + n * k // 16
+        copies = max(2, min(args.calls, int(256e6 // wbytes) + 1))
+        ws = [_stack(n, k, experts=1) for _ in range(copies)]
+        scales = [torch.rand(n, device="cuda") * 1e-2 + 1e-3 if per_row else s2[0]
+                  for _, _, s2 in ws]
+        for rows in [int(t) for t in args.dense_rows.split(",")]:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            runs = [("triton", lambda i: tw.w4a16_linear(
+                x, ws[i % copies][0][0], ws[i % copies][1][0], scales[i % copies],
+                variant="v2"))]
+            for mt, kw, pf in tiles:
+                runs.append((f"cuda {mt}x{kw}x{pf}", lambda i, mt=mt, kw=kw, pf=pf:
+                             tp.dense_w4a16_cuda(x, ws[i % copies][0][0], ws[i % copies][1][0],
+                                                 scales[i % copies].reshape(-1).float(),
+                                                 relu2=False, m_tiles=mt, k_warps=kw,
+                                                 prefetch=pf)))
+            _report({"proj": name, "tokens": rows}, runs, args, wbytes, 1.0)
+
+
+def _report(key: dict, runs: list, args, expert_bytes: int, distinct: float) -> None:
+    ref = runs[0][1](0).float()
+    times = {}
+    for name, fn in runs:
+        err = ((fn(0).float() - ref).norm() / ref.norm()).item()
+        us = times[name] = _time(fn, args.calls, args.reps)
+        print(json.dumps({**key, "kernel": name, "us": round(us, 2),
+                          "distinct_experts": round(distinct, 1),
+                          "gb_s": round(distinct * expert_bytes / us / 1e3, 1),
+                          "rel_err_vs_triton": round(err, 5)}), flush=True)
+    best = min((n for n in times if n != "triton"), key=times.get)
+    print(f"{key['proj']} {key['tokens']:2d} tokens: triton {times['triton']:.2f} us, best "
+          f"{best} {times[best]:.2f} us ({times['triton'] / times[best]:.2f}x)",
+          file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

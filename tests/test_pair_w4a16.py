@@ -216,6 +216,23 @@ def test_cuda_pair_kernel_tiles_gpu(m_tiles, k_warps, prefetch, n, k, tokens):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("n, k, rows", [(6144, 2688, 8), (2688, 4096, 7), (16384, 2688, 1),
+                                        (200, 320, 16)])
+def test_cuda_dense_mode_gpu(n, k, rows):
+    """``w4a16_linear`` of up to 16 rows on CUDA is the CUDA kernel's dense mode: the draft's
+    fused projections (a global scale per output row), a head-like wide N, odd shapes."""
+    w, s, s2 = (t[0] for t in _experts(1, n, k, seed=n + rows, device="cuda"))
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    per_row = torch.rand(n, device="cuda") * 1e-2 + 1e-3
+    for ws2 in (s2, per_row):
+        y = tw.w4a16_linear(x, w, s, ws2)
+        assert _rel(y, tw.w4a16_linear_reference(x, w, s, ws2)) <= 1e-2
+    # the tile keywords' Triton kernel agrees with it
+    assert _rel(tw.w4a16_linear(x, w, s, s2, variant="v2"), tw.w4a16_linear(x, w, s, s2)) <= 1e-2
+
+
+@gpu
+@needs_cuda
 def test_cuda_pair_kernel_repeated_ids_and_graph_gpu():
     """Non-top-k ids (an expert twice in a token) keep every pair's row; in a CUDA graph the
     leaders follow ids written between replays."""

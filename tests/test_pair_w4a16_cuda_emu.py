@@ -11,6 +11,7 @@ import torch
 
 from blockspec.kernels import w4a16 as tw
 from blockspec.kernels import w4a16_pairs as tp
+from blockspec.kernels.triton_loader import triton_available
 from tests import cuda_emu
 from tests.test_pair_w4a16 import _experts, _ids, _rel
 
@@ -99,7 +100,7 @@ def _mutant(tmp_path: Path, old: str, new: str) -> Path:
 @needs_cxx
 @pytest.mark.parametrize("old, new", [
     ("xv[4 * hf + 2], 0x5410)", "xv[4 * hf + 2], 0x7610)"),     # x paired with the wrong K
-    ("  __syncthreads();\n  const float gs", "  const float gs"),  # sum before every warp wrote
+    ("    }\n  __syncthreads();\n  for (int idx", "    }\n  for (int idx"),  # sum too early
     ("e = shared_base + b - npairs;", "e = shared_base;"),        # one slice for every slice
     ("(x_per_pair ? orow : tid)", "(x_per_pair ? tid : orow)"),   # a pair's x row for a token's
 ])
@@ -208,3 +209,43 @@ def test_kernel_source_ships_with_the_package():
         "package-data"]["blockspec"]
     rel = tp.SOURCE.relative_to(root / "blockspec").as_posix()
     assert any(fnmatch.fnmatch(rel, g) for g in globs)
+
+
+@needs_cxx
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_emulated_dense_mode(rows):
+    """``w4a16_linear``'s CUDA branch (the kernel's dense mode: one expert, no ids): one
+    global scale or one per output row (q/k/v stacked with their own), relu^2."""
+    n, k = 200, 448
+    w, s, s2 = (t[0] for t in _experts(1, n, k, seed=rows))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    per_row = torch.rand(n, generator=torch.Generator().manual_seed(1)) * 1e-2 + 1e-3
+    for ws2, relu2 in [(s2, True), (per_row, False)]:
+        plan = tp.plan_dense(x, w, s, ws2.reshape(-1).float(), relu2=relu2)
+        assert plan.grid[0] == 1
+        y = cuda_emu.run_w4a16_pairs(plan)
+        ref = tw.w4a16_linear_reference(x, w, s, ws2)
+        ref = torch.square(torch.relu(ref)) if relu2 else ref
+        assert not y.isnan().any() and _rel(y, ref) <= 1e-2
+
+
+@needs_cxx
+@pytest.mark.skipif(not triton_available(), reason="triton not importable")
+def test_w4a16_linear_dispatch(monkeypatch):
+    """Up to 16 rows with no tile keyword: the CUDA kernel (emulated here); a tile keyword
+    asks for the Triton kernel (the tuner's and its tests' way in)."""
+    launches = []
+
+    def emulated(plan, device):
+        launches.append(plan.grid)
+        return cuda_emu.emulated_launcher(plan)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")          # the Triton kernel on CPU tensors
+    monkeypatch.setattr(tw, "pairs_cuda_ok", lambda x, w, tokens: 0 < tokens <= tp.MAX_TOKENS)
+    monkeypatch.setattr(tp, "launcher", emulated)
+    w, s, s2 = (t[0] for t in _experts(1, 96, 256, seed=3))
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    ref = tw.w4a16_linear_reference(x, w, s, s2)
+    assert _rel(tw.w4a16_linear(x, w, s, s2), ref) <= 1e-2 and len(launches) == 1
+    assert _rel(tw.w4a16_linear(x, w, s, s2, block_n=16, block_k=64), ref) <= 1e-2
+    assert len(launches) == 1

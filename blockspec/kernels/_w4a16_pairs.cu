@@ -18,6 +18,10 @@
 // The decode is the Triton kernel's (kernels/_w4a16_kernels.py): bf16 E2M1 * 2^-126 times
 // the block scale as bf16 scale * 2^118, exact; weight_scale_2 * 2^8 scales the fp32 sum.
 //
+// Dense mode (ids_step 0): the weight is the one expert and every row of x a token, for
+// w4a16_linear calls of up to 16 rows; ws2_rows: one global scale per output row (a fused
+// stack of sibling projections), else one per expert.
+//
 // KW warps split K (unit u goes to warp u % KW) and sum their partials in shared memory;
 // each warp keeps PF units' loads in flight ahead of the one it decodes.
 // Blocks: one per (token, expert) pair plus one per shared-expert slice; of the pairs naming
@@ -157,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_pairs(
     const unsigned char* __restrict__ w, const unsigned char* __restrict__ ws,
     const float* __restrict__ ws2, unsigned short* __restrict__ out,
     int M, int topk, int N, int shared_parts, int shared_base, int x_per_pair, int relu2,
-    int distinct, int stride_xm, int stride_we, int stride_se, int stride_om) {
+    int distinct, int ws2_rows, int stride_xm, int stride_we, int stride_se, int stride_om) {
   __shared__ int s_first[16];
   __shared__ int s_xrow[16];
   __shared__ int s_orow[16];
@@ -175,7 +179,10 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_pairs(
   if (tid < 16) s_first[tid] = BIG;
   __syncthreads();
   int e;
-  if (!shared_blk) {
+  if (!shared_blk && ids_step == 0) {  // a dense linear: expert 0 for every token, no ids
+    e = 0;
+    if (tid < M) s_first[tid] = tid;
+  } else if (!shared_blk) {
     e = ldg(ids + b * ids_step);
     int occ_b = 0;
     if (!distinct)
@@ -267,7 +274,6 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_pairs(
       s_red[warp][16 * i + g + 8][8 * j + 2 * t + 1] = acc[i][j][3];
     }
   __syncthreads();
-  const float gs = ldg(ws2 + e) * 256.f;
   for (int idx = tid; idx < MT * 16 * NT * 8; idx += KW * 32) {
     const int row = idx % (MT * 16), tok = idx / (MT * 16);
     const int orow = s_orow[tok], n = n0 + row;
@@ -275,7 +281,8 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_pairs(
     float v = 0.f;
 #pragma unroll
     for (int k = 0; k < KW; ++k) v += s_red[k][row][tok];
-    unsigned short y = f2bf(v * gs);
+    // 2^8: the decode's scale factor; ws2_rows: one global scale per output row (dense)
+    unsigned short y = f2bf(v * (ldg(ws2 + (ws2_rows ? n : e)) * 256.f));
     if (relu2) {
       const float yf = __uint_as_float(((U32)y) << 16);
       y = f2bf(yf > 0.f ? yf * yf : 0.f);

@@ -132,11 +132,34 @@ def plan_launch(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     """``pair_w4a16`` with ``dedup`` (arguments checked there; ``ws2`` fp32 [E], ``rows`` the
     result's rows) as a launch of the kernel, its output allocated on x's device."""
     tokens, topk = ids.shape
+    ids = ids.contiguous()
+    return _plan(x, ids, 2 if ids.dtype == torch.int64 else 1, weight, weight_scale, ws2,
+                 tokens=tokens, topk=topk, blocks=tokens * topk + shared_parts, rows=rows,
+                 shared_parts=shared_parts, x_per_pair=x_per_pair, relu2=relu2,
+                 distinct=distinct, ws2_rows=False, tile=(m_tiles, k_warps, prefetch))
+
+
+def plan_dense(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               ws2: torch.Tensor, *, relu2: bool, m_tiles: int | None = None,
+               k_warps: int | None = None, prefetch: int | None = None) -> LaunchPlan:
+    """``w4a16_linear`` of ``x`` [M <= ``MAX_TOKENS``, K] as the kernel's dense mode: the
+    weight [N, K/2] is its one expert and every row of x a token (no ids: ``ids_step`` 0, and
+    ws2 stands in for the pointer, never read); ``ws2`` fp32, one global scale or one per
+    output row (a fused stack of siblings)."""
+    return _plan(x, ws2, 0, weight[None], weight_scale[None], ws2, tokens=x.shape[0], topk=1,
+                 blocks=1, rows=x.shape[0], shared_parts=0, x_per_pair=False, relu2=relu2, distinct=True,
+                 ws2_rows=ws2.numel() > 1, tile=(m_tiles, k_warps, prefetch))
+
+
+def _plan(x: torch.Tensor, ids: torch.Tensor, ids_step: int, weight: torch.Tensor,
+          weight_scale: torch.Tensor, ws2: torch.Tensor, *, tokens: int, topk: int, blocks: int,
+          rows: int,
+          shared_parts: int, x_per_pair: bool, relu2: bool, distinct: bool, ws2_rows: bool,
+          tile: tuple[int | None, int | None, int | None]) -> LaunchPlan:
     e, n, half_k = weight.shape
     out_dtype = x.dtype
     k = half_k * 2
-    mt, kw, pf = default_tile(tokens)
-    mt, kw, pf = m_tiles or mt, k_warps or kw, prefetch or pf
+    mt, kw, pf = (a or b for a, b in zip(tile, default_tile(tokens)))
     if x.dtype != torch.bfloat16:
         x = x.to(torch.bfloat16)
     x = x.contiguous()
@@ -146,13 +169,11 @@ def plan_launch(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     if weight.data_ptr() % 8:
         weight = weight.clone()
     scale = weight_scale.view(torch.uint8).contiguous()
-    ids = ids.contiguous()
     ws2 = ws2.contiguous()
     out = torch.empty((rows, n), dtype=torch.bfloat16, device=x.device)
-    blocks = tokens * topk + shared_parts
-    args = [x, ids, 2 if ids.dtype == torch.int64 else 1, weight, scale, ws2, out,
-            tokens, topk, n, shared_parts, e - shared_parts, int(x_per_pair), int(relu2),
-            int(distinct), x.stride(0), weight.stride(0), scale.stride(0), out.stride(0)]
+    args = [x, ids, ids_step, weight, scale, ws2, out, tokens, topk, n, shared_parts,
+            e - shared_parts, int(x_per_pair), int(relu2), int(distinct), int(ws2_rows),
+            x.stride(0), weight.stride(0), scale.stride(0), out.stride(0)]
     return LaunchPlan(mt, 1 if tokens <= 8 else 2, kw, pf, k, (blocks, -(-n // (16 * mt)), 1),
                       (32 * kw, 1, 1), args, out, out_dtype)
 
@@ -161,6 +182,14 @@ def pair_w4a16_cuda(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                     weight_scale: torch.Tensor, ws2: torch.Tensor, **kwargs) -> torch.Tensor:
     """``plan_launch``'s launch on x's CUDA device -> ``[rows, N]`` in x's dtype."""
     plan = plan_launch(x, ids, weight, weight_scale, ws2, **kwargs)
+    launcher(plan, x.device)(grid=plan.grid, block=plan.block, args=plan.args)
+    return plan.result()
+
+
+def dense_w4a16_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     ws2: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``plan_dense``'s launch on x's CUDA device -> ``[M, N]`` in x's dtype."""
+    plan = plan_dense(x, weight, weight_scale, ws2, **kwargs)
     launcher(plan, x.device)(grid=plan.grid, block=plan.block, args=plan.args)
     return plan.result()
 
