@@ -184,8 +184,11 @@ def test_dense_relu2_epilogue_gpu(m):
 
 
 def test_cuda_pairs_only_for_cuda_tensors():
-    w, _, _ = _experts(2, 16, 64, seed=0)
+    w, s, s2 = _experts(2, 16, 64, seed=0)
     assert not tp.pairs_cuda_ok(torch.zeros(2, 64), w, 2)
+    with pytest.raises(ValueError, match="x must be bf16, got torch.float16"):
+        tp.plan_dense(torch.zeros(2, 64, dtype=torch.float16), w[0], s[0], s2[0].reshape(1),
+                      relu2=False)
 
 
 @gpu

@@ -26,10 +26,10 @@ UNIT_K = 64              # K per thread-quad step: one scale group per lane
 
 
 def pairs_cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int) -> bool:
-    """Whether ``pair_w4a16``'s call can run here: CUDA tensors, at most ``MAX_TOKENS``
-    tokens, K a multiple of ``UNIT_K`` (the Lightning shapes are)."""
-    return (x.is_cuda and not interpreting() and 0 < tokens <= MAX_TOKENS
-            and (weight.shape[-1] * 2) % UNIT_K == 0)
+    """Whether a W4A16 call can run here: bf16 CUDA activations (the MMA's type; fp16 stays
+    with the Triton kernel), at most ``MAX_TOKENS`` tokens, K a multiple of ``UNIT_K``."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and not interpreting()
+            and 0 < tokens <= MAX_TOKENS and (weight.shape[-1] * 2) % UNIT_K == 0)
 
 
 def default_tile(tokens: int) -> tuple[int, int, int]:
@@ -107,8 +107,8 @@ def _nvrtc(lib, status: int, what: str) -> None:
 @dataclass(frozen=True)
 class LaunchPlan:
     """One launch of the kernel: its compile-time shape, grid, block and arguments (tensors
-    as they are passed), the output they fill and the dtype ``pair_w4a16`` returns. CPU tests
-    run the same plan through the kernel's CPU emulation (tests/cuda_emu)."""
+    as they are passed) and the bf16 output they fill. CPU tests run the same plan through
+    the kernel's CPU emulation (tests/cuda_emu)."""
     m_tiles: int
     n_tiles: int
     k_warps: int
@@ -118,10 +118,6 @@ class LaunchPlan:
     block: tuple[int, int, int]
     args: list
     out: torch.Tensor
-    out_dtype: torch.dtype
-
-    def result(self) -> torch.Tensor:
-        return self.out if self.out_dtype == torch.bfloat16 else self.out.to(self.out_dtype)
 
 
 def plan_launch(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
@@ -157,11 +153,10 @@ def _plan(x: torch.Tensor, ids: torch.Tensor, ids_step: int, weight: torch.Tenso
           shared_parts: int, x_per_pair: bool, relu2: bool, distinct: bool, ws2_rows: bool,
           tile: tuple[int | None, int | None, int | None]) -> LaunchPlan:
     e, n, half_k = weight.shape
-    out_dtype = x.dtype
     k = half_k * 2
     mt, kw, pf = (a or b for a, b in zip(tile, default_tile(tokens)))
     if x.dtype != torch.bfloat16:
-        x = x.to(torch.bfloat16)
+        raise ValueError(f"w4a16_pairs: x must be bf16, got {x.dtype}")
     x = x.contiguous()
     if x.data_ptr() % 16 or k % 8:
         x = x.clone()                      # 16-byte loads of x
@@ -175,23 +170,23 @@ def _plan(x: torch.Tensor, ids: torch.Tensor, ids_step: int, weight: torch.Tenso
             e - shared_parts, int(x_per_pair), int(relu2), int(distinct), int(ws2_rows),
             x.stride(0), weight.stride(0), scale.stride(0), out.stride(0)]
     return LaunchPlan(mt, 1 if tokens <= 8 else 2, kw, pf, k, (blocks, -(-n // (16 * mt)), 1),
-                      (32 * kw, 1, 1), args, out, out_dtype)
+                      (32 * kw, 1, 1), args, out)
 
 
 def pair_w4a16_cuda(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                     weight_scale: torch.Tensor, ws2: torch.Tensor, **kwargs) -> torch.Tensor:
-    """``plan_launch``'s launch on x's CUDA device -> ``[rows, N]`` in x's dtype."""
+    """``plan_launch``'s launch on x's CUDA device -> ``[rows, N]`` bf16."""
     plan = plan_launch(x, ids, weight, weight_scale, ws2, **kwargs)
     launcher(plan, x.device)(grid=plan.grid, block=plan.block, args=plan.args)
-    return plan.result()
+    return plan.out
 
 
 def dense_w4a16_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      ws2: torch.Tensor, **kwargs) -> torch.Tensor:
-    """``plan_dense``'s launch on x's CUDA device -> ``[M, N]`` in x's dtype."""
+    """``plan_dense``'s launch on x's CUDA device -> ``[M, N]`` bf16."""
     plan = plan_dense(x, weight, weight_scale, ws2, **kwargs)
     launcher(plan, x.device)(grid=plan.grid, block=plan.block, args=plan.args)
-    return plan.result()
+    return plan.out
 
 
 def launcher(plan: LaunchPlan, device: torch.device):
