@@ -32,9 +32,10 @@ def pairs_cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int) -> bool:
             and 0 < tokens <= MAX_TOKENS and (weight.shape[-1] * 2) % UNIT_K == 0)
 
 
-def default_tile(tokens: int) -> tuple[int, int, int]:
-    """(m_tiles, k_warps, prefetch): 16-row MMA tiles per warp, warps splitting K in a CTA,
-    and 64-K units each warp keeps loading ahead of the one it decodes."""
+def default_tile(tokens: int, n: int, k: int) -> tuple[int, int, int]:
+    """(m_tiles, k_warps, prefetch) for ``tokens`` rows of an [N, K] weight: 16-row MMA tiles
+    per warp, warps splitting K in a CTA, and 64-K units each warp keeps loading ahead of
+    the one it decodes. Not yet measured on a GPU (scripts/bench_w4a16_pairs.py picks)."""
     return 2, 4, 1
 
 
@@ -154,7 +155,7 @@ def _plan(x: torch.Tensor, ids: torch.Tensor, ids_step: int, weight: torch.Tenso
           tile: tuple[int | None, int | None, int | None]) -> LaunchPlan:
     e, n, half_k = weight.shape
     k = half_k * 2
-    mt, kw, pf = (a or b for a, b in zip(tile, default_tile(tokens)))
+    mt, kw, pf = (a or b for a, b in zip(tile, default_tile(tokens, n, k)))
     if x.dtype != torch.bfloat16:
         raise ValueError(f"w4a16_pairs: x must be bf16, got {x.dtype}")
     x = x.contiguous()
