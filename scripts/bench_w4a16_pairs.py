@@ -69,7 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,4,7,8,16")
     ap.add_argument("--tiles", default="1x4x1,2x4x1,2x8x1,1x8x1,4x4x1,2x2x1,1x4x2,2x4x2,"
-                                       "2x8x2,2x4x3",
+                                       "2x8x2,2x4x3,1x8x2,1x16x1,1x16x2",
                     help="CUDA tile shapes m_tiles x k_warps x prefetch")
     ap.add_argument("--dense-rows", default="1,7,8")
     ap.add_argument("--calls", type=int, default=23)

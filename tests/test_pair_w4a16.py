@@ -193,7 +193,8 @@ def test_cuda_pairs_only_for_cuda_tensors():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("m_tiles, k_warps, prefetch", [(1, 4, 1), (2, 4, 1), (2, 8, 1), (2, 4, 2)])
+@pytest.mark.parametrize("m_tiles, k_warps, prefetch",
+                         [(1, 4, 1), (2, 4, 1), (2, 8, 1), (2, 4, 2), (1, 16, 2)])
 @pytest.mark.parametrize("n, k", [(200, 320), (1856, 2688)])
 @pytest.mark.parametrize("tokens", [1, 5, 8, 9, 16])
 def test_cuda_pair_kernel_tiles_gpu(m_tiles, k_warps, prefetch, n, k, tokens):

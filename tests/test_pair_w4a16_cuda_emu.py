@@ -36,7 +36,7 @@ def _run(x, ids, w, s, s2, *, x_per_pair, relu2, distinct=True, shared=SHARED, t
 
 
 @needs_cxx
-@pytest.mark.parametrize("tile", [(1, 4, 1), (2, 4, 1), (2, 8, 1), (2, 4, 2)])
+@pytest.mark.parametrize("tile", [(1, 4, 1), (2, 4, 1), (2, 8, 1), (2, 4, 2), (1, 16, 2)])
 @pytest.mark.parametrize("tokens", [1, 5, 9, 16])
 def test_emulated_kernel_matches_reference(tile, tokens):
     n, k = 200, 448                       # 7 row tiles of 32 (the last one partial), 7 K units
