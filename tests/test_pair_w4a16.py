@@ -280,12 +280,49 @@ def _nvrtc_or_skip() -> ctypes.CDLL:
 
 
 @pytest.mark.parametrize("tile", [(1, 1, 4, 1), (2, 1, 4, 1), (2, 2, 4, 2), (2, 1, 8, 3)])
-def test_kernel_compiles_for_hopper(tile):
+def test_kernel_compiles_for_hopper(tile, tmp_path):
     """The launch path's own NVRTC compile (no GPU needed, only the library): an sm_90 cubin
-    with the kernel's symbol, at Lightning's two expert K; a bad option says what failed."""
+    with the kernel's symbol, at Lightning's two expert K, kept in the disk cache; a bad
+    option says what failed."""
     lib = _nvrtc_or_skip()
     for k in (2688, 1856):
         cubin = tp.compile_cubin(lib, *tile, k, "sm_90")
         assert cubin[:4] == b"\x7fELF" and b"w4a16_pairs" in cubin
+        assert tp.cached_cubin(lib, (*tile, k), "sm_90", tmp_path)[:4] == b"\x7fELF"
+    assert len(list(tmp_path.glob("*.cubin"))) == 2
     with pytest.raises(RuntimeError, match="NVRTC failed for sm_0"):
         tp.compile_cubin(lib, *tile, 2688, "sm_0")
+
+
+class _FakeNvrtc:
+    def __init__(self, minor: int = 0):
+        self.minor = minor
+
+    def nvrtcVersion(self, major, minor):   # noqa: N802 - NVRTC's name
+        major._obj.value, minor._obj.value = 13, self.minor
+        return 0
+
+
+def test_compiled_kernels_are_cached_on_disk(tmp_path, monkeypatch):
+    """A second process start reads the cubin instead of compiling it; another shape, arch or
+    NVRTC version compiles anew; an unwritable cache still returns the kernel."""
+    compiled = []
+
+    def compile_cubin(lib, *shape_arch):
+        compiled.append(shape_arch)
+        return b"\x7fELF" + repr(shape_arch).encode()
+
+    monkeypatch.setattr(tp, "compile_cubin", compile_cubin)
+    shape = (2, 1, 4, 1, 2688)
+    first = tp.cached_cubin(_FakeNvrtc(), shape, "sm_90", tmp_path)
+    assert tp.cached_cubin(_FakeNvrtc(), shape, "sm_90", tmp_path) == first
+    assert len(compiled) == 1 and len(list(tmp_path.glob("*.cubin"))) == 1
+    tp.cached_cubin(_FakeNvrtc(), (2, 1, 4, 2, 2688), "sm_90", tmp_path)
+    tp.cached_cubin(_FakeNvrtc(), shape, "sm_100", tmp_path)
+    tp.cached_cubin(_FakeNvrtc(minor=1), shape, "sm_90", tmp_path)
+    assert len(compiled) == 4 and len(list(tmp_path.glob("*.cubin"))) == 4
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    assert tp.cached_cubin(_FakeNvrtc(), shape, "sm_90", blocked / "cubin") == first
+    monkeypatch.setenv("BLOCKSPEC_CACHE_DIR", str(tmp_path / "c"))
+    assert tp.cache_dir() == tmp_path / "c" / "cubin"

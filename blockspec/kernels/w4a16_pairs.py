@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,10 +46,40 @@ def _kernel(m_tiles: int, n_tiles: int, k_warps: int, prefetch: int, k: int, dev
     """NVRTC -> cubin -> driver function, cached per tile shape, K and device."""
     from torch.cuda import _utils as cuda_utils  # lazy: torch's NVRTC bindings, CUDA use only
     major, minor = torch.cuda.get_device_capability(device)
-    cubin = compile_cubin(_nvrtc_library(cuda_utils), m_tiles, n_tiles, k_warps, prefetch, k,
-                          f"sm_{major}{minor}")
+    cubin = cached_cubin(_nvrtc_library(cuda_utils), (m_tiles, n_tiles, k_warps, prefetch, k),
+                         f"sm_{major}{minor}", cache_dir())
     with torch.cuda.device(device):
         return cuda_utils._cuda_load_module(cubin, ["w4a16_pairs"])["w4a16_pairs"]
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept between runs: ``$BLOCKSPEC_CACHE_DIR/cubin``, else
+    ``~/.cache/blockspec/cubin``."""
+    root = os.environ.get("BLOCKSPEC_CACHE_DIR") or Path.home() / ".cache" / "blockspec"
+    return Path(root) / "cubin"
+
+
+def cached_cubin(lib: ctypes.CDLL, shape: tuple[int, int, int, int, int], arch: str,
+                 cache: Path) -> bytes:
+    """``compile_cubin(lib, *shape, arch)`` through files in ``cache``, keyed by the source, the
+    shape, the arch and NVRTC's version: a process start reuses them instead of compiling
+    each tile shape again (a few hundred ms each). An unwritable cache only costs that."""
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _nvrtc(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    key = hashlib.sha256(f"{shape} {arch} nvrtc {major.value}.{minor.value}\n".encode()
+                         + SOURCE.read_bytes()).hexdigest()[:24]
+    path = cache / f"w4a16_pairs_{key}.cubin"
+    if path.is_file():
+        return path.read_bytes()
+    cubin = compile_cubin(lib, *shape, arch)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(cubin)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return cubin
 
 
 def compile_cubin(lib: ctypes.CDLL, m_tiles: int, n_tiles: int, k_warps: int, prefetch: int,
