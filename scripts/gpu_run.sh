@@ -20,8 +20,8 @@
 #              scripts/adaptive_table.py (about 7 minutes: a call of its own)
 #   itl        streams' inter-token latency while a 32k prompt prefills (chunks 64, 128)
 #   prefixc    prefix cache: multi-turn batch 1 and 16 to 32k; agentic with DFlash
-#   pairs      the W4A16 CUDA kernel (MoE pairs, dense up to 16 rows): its GPU tests and
-#              bench_w4a16_pairs.py against the Triton kernels (about 6 minutes)
+#   w4a16cuda  the W4A16 CUDA kernel (MoE pairs, dense up to 16 rows): its GPU tests and
+#              bench_w4a16_cuda.py against the Triton kernels (about 6 minutes)
 #   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 (published
 #              profile), DSpark, and the DFlash width-7 step's profile
 set -uo pipefail
@@ -148,13 +148,13 @@ prefixc)
       --speculative-num-draft-tokens 6 --simulate-accept-profile dflash-published \
       2>>"$OUT/stderr.log" >/dev/null
   ;;
-pairs)
+w4a16cuda)
   timeout 120 python3 -m pytest -m gpu tests/test_pair_w4a16.py \
-      -q -p no:cacheprovider -o addopts="" -rf 2>&1 | tail -30 > "$OUT/gpu_tests_pairs.log"
-  tail -3 "$OUT/gpu_tests_pairs.log"
-  timeout 240 python3 scripts/bench_w4a16_pairs.py > "$OUT/bench_pairs.jsonl" \
-      2> "$OUT/bench_pairs_summary.txt"
-  cat "$OUT/bench_pairs_summary.txt"
+      -q -p no:cacheprovider -o addopts="" -rf 2>&1 | tail -30 > "$OUT/gpu_tests_w4a16cuda.log"
+  tail -3 "$OUT/gpu_tests_w4a16cuda.log"
+  timeout 240 python3 scripts/bench_w4a16_cuda.py > "$OUT/bench_w4a16cuda.jsonl" \
+      2> "$OUT/bench_w4a16cuda_summary.txt"
+  cat "$OUT/bench_w4a16cuda_summary.txt"
   ;;
 batch1)
   L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \

@@ -4,7 +4,7 @@ per-pair torch reference.
 CPU: the Triton interpreter (exact fp32 decode, so indexing, dedup leaders, splits and the
 relu^2 epilogue are what is checked). GPU (``-m gpu``): the compiled kernels at Lightning's
 expert shapes, verify-sized token counts, random and shared routing, inside a CUDA graph; the
-CUDA kernel (``w4a16_pairs``, up to 16 tokens) at each tile shape, on odd shapes and ids.
+CUDA kernel (``w4a16_cuda``, up to 16 tokens) at each tile shape, on odd shapes and ids.
 """
 import ctypes
 import importlib.util
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from blockspec.kernels import w4a16 as tw
-from blockspec.kernels import w4a16_pairs as tp
+from blockspec.kernels import w4a16_cuda as tc
 from blockspec.kernels.triton_loader import triton_available
 from blockspec.quant.nvfp4 import quantize_nvfp4
 from blockspec.kernels.w4a16_layout import to_kernel_layout
@@ -185,9 +185,9 @@ def test_dense_relu2_epilogue_gpu(m):
 
 def test_cuda_pairs_only_for_cuda_tensors():
     w, s, s2 = _experts(2, 16, 64, seed=0)
-    assert not tp.pairs_cuda_ok(torch.zeros(2, 64), w, 2)
+    assert not tc.cuda_ok(torch.zeros(2, 64), w, 2)
     with pytest.raises(ValueError, match="x must be bf16, got torch.float16"):
-        tp.plan_dense(torch.zeros(2, 64, dtype=torch.float16), w[0], s[0], s2[0].reshape(1),
+        tc.plan_dense(torch.zeros(2, 64, dtype=torch.float16), w[0], s[0], s2[0].reshape(1),
                       relu2=False)
 
 
@@ -209,8 +209,8 @@ def test_cuda_pair_kernel_tiles_gpu(m_tiles, k_warps, prefetch, n, k, tokens):
     xp = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     kw = dict(distinct=True, shared_parts=shared, rows=rows, m_tiles=m_tiles, k_warps=k_warps,
               prefetch=prefetch)
-    up = tp.pair_w4a16_cuda(x, ids, w, s, ws2, x_per_pair=False, relu2=True, **kw)
-    dn = tp.pair_w4a16_cuda(xp, ids, w, s, ws2, x_per_pair=True, relu2=False, **kw)
+    up = tc.pair_w4a16_cuda(x, ids, w, s, ws2, x_per_pair=False, relu2=True, **kw)
+    dn = tc.pair_w4a16_cuda(xp, ids, w, s, ws2, x_per_pair=True, relu2=False, **kw)
     ref_up = tw.pair_w4a16_reference(x, ids, w, s, s2, relu2=True, shared_parts=shared)
     ref_dn = tw.pair_w4a16_reference(xp, ids, w, s, s2, x_per_pair=True, shared_parts=shared)
     assert up.shape == ref_up.shape and _rel(up, ref_up) <= 1e-2
@@ -260,20 +260,20 @@ def test_cuda_pair_kernel_repeated_ids_and_graph_gpu():
 
 def test_nvrtc_found_in_the_pip_wheels(tmp_path):
     """Where torch's loader finds no NVRTC, the newest versioned one of the wheels is used."""
-    assert tp.wheel_nvrtc([tmp_path]) is None
+    assert tc.wheel_nvrtc([tmp_path]) is None
     for pkg, name in [("cu12", "libnvrtc.so.12"), ("cu13", "libnvrtc.so.13"),
                       ("cu13", "libnvrtc-builtins.so.13.0"), ("cuda_nvrtc", "libnvrtc.so.9")]:
         (tmp_path / pkg / "lib").mkdir(parents=True, exist_ok=True)
         (tmp_path / pkg / "lib" / name).write_bytes(b"")
-    assert tp.wheel_nvrtc([tmp_path]) == tmp_path / "cu13" / "lib" / "libnvrtc.so.13"
+    assert tc.wheel_nvrtc([tmp_path]) == tmp_path / "cu13" / "lib" / "libnvrtc.so.13"
 
 
 def _nvrtc_or_skip() -> ctypes.CDLL:
     if torch.version.cuda:
         from torch.cuda import _utils
-        return tp._nvrtc_library(_utils)
+        return tc._nvrtc_library(_utils)
     spec = importlib.util.find_spec("nvidia")
-    path = tp.wheel_nvrtc([Path(p) for p in spec.submodule_search_locations]) if spec else None
+    path = tc.wheel_nvrtc([Path(p) for p in spec.submodule_search_locations]) if spec else None
     if path is None:
         pytest.skip("no NVRTC: a CPU torch and no nvidia-cuda-nvrtc wheel")
     return ctypes.CDLL(str(path))
@@ -286,12 +286,12 @@ def test_kernel_compiles_for_hopper(tile, tmp_path):
     option says what failed."""
     lib = _nvrtc_or_skip()
     for k in (2688, 1856):
-        cubin = tp.compile_cubin(lib, *tile, k, "sm_90")
-        assert cubin[:4] == b"\x7fELF" and b"w4a16_pairs" in cubin
-        assert tp.cached_cubin(lib, (*tile, k), "sm_90", tmp_path)[:4] == b"\x7fELF"
+        cubin = tc.compile_cubin(lib, *tile, k, "sm_90")
+        assert cubin[:4] == b"\x7fELF" and b"w4a16_cuda" in cubin
+        assert tc.cached_cubin(lib, (*tile, k), "sm_90", tmp_path)[:4] == b"\x7fELF"
     assert len(list(tmp_path.glob("*.cubin"))) == 2
     with pytest.raises(RuntimeError, match="NVRTC failed for sm_0"):
-        tp.compile_cubin(lib, *tile, 2688, "sm_0")
+        tc.compile_cubin(lib, *tile, 2688, "sm_0")
 
 
 class _FakeNvrtc:
@@ -312,17 +312,17 @@ def test_compiled_kernels_are_cached_on_disk(tmp_path, monkeypatch):
         compiled.append(shape_arch)
         return b"\x7fELF" + repr(shape_arch).encode()
 
-    monkeypatch.setattr(tp, "compile_cubin", compile_cubin)
+    monkeypatch.setattr(tc, "compile_cubin", compile_cubin)
     shape = (2, 1, 4, 1, 2688)
-    first = tp.cached_cubin(_FakeNvrtc(), shape, "sm_90", tmp_path)
-    assert tp.cached_cubin(_FakeNvrtc(), shape, "sm_90", tmp_path) == first
+    first = tc.cached_cubin(_FakeNvrtc(), shape, "sm_90", tmp_path)
+    assert tc.cached_cubin(_FakeNvrtc(), shape, "sm_90", tmp_path) == first
     assert len(compiled) == 1 and len(list(tmp_path.glob("*.cubin"))) == 1
-    tp.cached_cubin(_FakeNvrtc(), (2, 1, 4, 2, 2688), "sm_90", tmp_path)
-    tp.cached_cubin(_FakeNvrtc(), shape, "sm_100", tmp_path)
-    tp.cached_cubin(_FakeNvrtc(minor=1), shape, "sm_90", tmp_path)
+    tc.cached_cubin(_FakeNvrtc(), (2, 1, 4, 2, 2688), "sm_90", tmp_path)
+    tc.cached_cubin(_FakeNvrtc(), shape, "sm_100", tmp_path)
+    tc.cached_cubin(_FakeNvrtc(minor=1), shape, "sm_90", tmp_path)
     assert len(compiled) == 4 and len(list(tmp_path.glob("*.cubin"))) == 4
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
-    assert tp.cached_cubin(_FakeNvrtc(), shape, "sm_90", blocked / "cubin") == first
+    assert tc.cached_cubin(_FakeNvrtc(), shape, "sm_90", blocked / "cubin") == first
     monkeypatch.setenv("BLOCKSPEC_CACHE_DIR", str(tmp_path / "c"))
-    assert tp.cache_dir() == tmp_path / "c" / "cubin"
+    assert tc.cache_dir() == tmp_path / "c" / "cubin"

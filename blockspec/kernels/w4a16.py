@@ -9,7 +9,7 @@ One kernel (``_w4a16_kernels.py``, which says how it decodes) serves every shape
 - pairs (MoE at decode): one block per (token, expert) pair, no sort (``pair_w4a16``).
 
 On CUDA, calls of up to 16 rows (pairs, and dense ones given no tile keyword) go to the CUDA
-kernel of ``w4a16_pairs.py`` instead; tile keywords ask for this module's Triton kernel.
+kernel of ``w4a16_cuda.py`` instead; tile keywords ask for this module's Triton kernel.
 
 Every function here (``_reference`` ones too) takes packed weights in the kernel's layout
 (``w4a16_layout.to_kernel_layout``, converted once after loading), which lets the inline-PTX
@@ -39,7 +39,7 @@ from blockspec.kernels.nvfp4_dequant import dequant_grouped, dequant_linear
 from blockspec.kernels.triton_loader import interpreting, load_kernels, sm_count
 from blockspec.kernels.w4a16_blocks import expert_blocks, grouped_blocks  # noqa: F401 (MoE's)
 from blockspec.kernels.w4a16_layout import from_kernel_layout
-from blockspec.kernels.w4a16_pairs import dense_w4a16_cuda, pair_w4a16_cuda, pairs_cuda_ok
+from blockspec.kernels.w4a16_cuda import cuda_ok, dense_w4a16_cuda, pair_w4a16_cuda
 from blockspec.kernels.w4a16_prefill import is_dense_prefill, is_grouped_prefill, prefill_config
 from blockspec.kernels.w4a16_tuned import check_v2_tile, tuned_config
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4
@@ -305,7 +305,7 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     pre_m = pre.pop("block_m", None)
     block_m = block_m or pre_m or _builtin_v2_config(n, k, m)["block_m"]
     table_says = pre.pop("dequant", False) and not per_row   # measured on sm90 bf16
-    if not (tiled or dequant) and pairs_cuda_ok(x2, w, m):   # the CUDA kernel's dense mode
+    if not (tiled or dequant) and cuda_ok(x2, w, m):   # the CUDA kernel's dense mode
         y = dense_w4a16_cuda(x2, w, s, ws2, relu2=relu2)
     elif (table_says if dequant is None else dequant) and grouped_mm_ok(x2):
         y = dequant_linear(x2, w, s, ws2, relu2)
@@ -417,7 +417,7 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     often share experts; decoding, not only reading, is what a W4A16 call pays for);
     ``distinct`` promises no token names an expert twice (top-k routing), which skips the
     kernel's repeat count. ``relu2`` applies relu(.)^2 to the rounded result (an expert's up
-    projection). On CUDA, up to 16 tokens: ``w4a16_pairs.py``'s kernel (``tile`` unused).
+    projection). On CUDA, up to 16 tokens: ``w4a16_cuda.py``'s kernel (``tile`` unused).
 
     ``shared_parts`` = S > 0: the stack's last S experts are slices of the shared expert,
     which every token uses without being routed to them: the result gets S more rows per
@@ -447,7 +447,7 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     if pairs == 0:
         return x.new_empty((rows, n))
     ws2 = weight_scale_2.reshape(e).to(torch.float32)
-    if (dedup or tokens == 1) and pairs_cuda_ok(x, weight, tokens):
+    if (dedup or tokens == 1) and cuda_ok(x, weight, tokens):
         return pair_w4a16_cuda(x, ids, weight, weight_scale, ws2, x_per_pair=x_per_pair,
                                relu2=relu2, distinct=distinct, shared_parts=shared_parts, rows=rows)
     x2 = x if x.stride(-1) == 1 else x.contiguous()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.kernels import w4a16_pairs
+from blockspec.kernels import w4a16_cuda
 
 HERE = Path(__file__).parent
 FLAGS = ["-std=c++17", "-O1", "-shared", "-fPIC", "-DCUDA_EMU"]
@@ -54,9 +54,9 @@ def _extent(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
-def run_w4a16_pairs(plan: w4a16_pairs.LaunchPlan, reverse: bool = False,
-                    source: Path = w4a16_pairs.SOURCE) -> torch.Tensor:
-    """Runs ``plan`` (``w4a16_pairs.plan_launch`` on CPU tensors) on the CPU, threads in
+def run_w4a16_cuda(plan: w4a16_cuda.LaunchPlan, reverse: bool = False,
+                    source: Path = w4a16_cuda.SOURCE) -> torch.Tensor:
+    """Runs ``plan`` (``w4a16_cuda.plan_pairs`` on CPU tensors) on the CPU, threads in
     order or in ``reverse``; raises with the emulator's message when an access or a barrier
     failed. ``source``: the kernel file (a mutated copy, to show a test can fail)."""
     plan.out.fill_(float("nan"))            # rows the kernel should write and does not show
@@ -64,14 +64,14 @@ def run_w4a16_pairs(plan: w4a16_pairs.LaunchPlan, reverse: bool = False,
     return plan.out
 
 
-def emulated_launcher(plan: w4a16_pairs.LaunchPlan, reverse: bool = False,
-                      source: Path = w4a16_pairs.SOURCE):
-    """A stand-in for ``w4a16_pairs.launcher(plan, device)``'s kernel: the same call
+def emulated_launcher(plan: w4a16_cuda.LaunchPlan, reverse: bool = False,
+                      source: Path = w4a16_cuda.SOURCE):
+    """A stand-in for ``w4a16_cuda.launcher(plan, device)``'s kernel: the same call
     (grid, block, args), run by the emulator."""
-    lib = _library(source, HERE / "w4a16_pairs_launch.cpp",
+    lib = _library(source, HERE / "w4a16_cuda_launch.cpp",
                    {"MT": plan.m_tiles, "NT": plan.n_tiles, "KW": plan.k_warps,
                     "PF": plan.prefetch, "KDIM": plan.k})
-    fn = lib.emu_w4a16_pairs
+    fn = lib.emu_w4a16_cuda
     fn.restype = ctypes.c_char_p
 
     def launch(grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> None:

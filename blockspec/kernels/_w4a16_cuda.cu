@@ -1,6 +1,6 @@
 // W4A16 NVFP4 MoE at decode sizes: the tokens of one expert (a speculative verify's block,
 // at most 16) times that expert's packed weights, one CTA per (expert, 16 * MT output rows).
-// Compiled at run time by NVRTC (kernels/w4a16_pairs.py) with MT, NT, KW, PF and KDIM (= K)
+// Compiled at run time by NVRTC (kernels/w4a16_cuda.py) with MT, NT, KW, PF and KDIM (= K)
 // defined; weights and scales are contiguous per expert.
 //
 // Why not the Triton kernel: at these sizes a Triton tile goes global -> shared -> registers
@@ -156,7 +156,7 @@ __device__ __forceinline__ void unit_rows_mma(float (&acc)[MT][NT][4],
   }
 }
 
-extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_pairs(
+extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_cuda(
     const unsigned short* __restrict__ x, const int* __restrict__ ids, int ids_step,
     const unsigned char* __restrict__ w, const unsigned char* __restrict__ ws,
     const float* __restrict__ ws2, unsigned short* __restrict__ out,

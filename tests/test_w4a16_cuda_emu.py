@@ -1,4 +1,4 @@
-"""The CUDA pair kernel's own source (``kernels/_w4a16_pairs.cu``) run on the CPU by
+"""The CUDA pair kernel's own source (``kernels/_w4a16_cuda.cu``) run on the CPU by
 ``tests/cuda_emu`` against ``pair_w4a16_reference``, through the same launch plan the GPU path
 uses: every tile shape, one and two MMA tiles of tokens, N not a tile multiple, K units fewer
 than the warps splitting them, int32 and int64 ids, repeated ids, threads scheduled in both
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from blockspec.kernels import w4a16 as tw
-from blockspec.kernels import w4a16_pairs as tp
+from blockspec.kernels import w4a16_cuda as tc
 from blockspec.kernels.triton_loader import triton_available
 from tests import cuda_emu
 from tests.test_pair_w4a16 import _experts, _ids, _rel
@@ -27,12 +27,12 @@ def _case(tokens: int, n: int, k: int, seed: int, ids_dtype=torch.int32):
 
 
 def _run(x, ids, w, s, s2, *, x_per_pair, relu2, distinct=True, shared=SHARED, tile=(2, 4, 1),
-         reverse=False, source=tp.SOURCE):
+         reverse=False, source=tc.SOURCE):
     rows = ids.numel() + ids.shape[0] * shared
-    plan = tp.plan_launch(x, ids, w, s, s2.reshape(-1).float(), x_per_pair=x_per_pair,
+    plan = tc.plan_pairs(x, ids, w, s, s2.reshape(-1).float(), x_per_pair=x_per_pair,
                           relu2=relu2, distinct=distinct, shared_parts=shared, rows=rows,
                           m_tiles=tile[0], k_warps=tile[1], prefetch=tile[2])
-    return cuda_emu.run_w4a16_pairs(plan, reverse=reverse, source=source)
+    return cuda_emu.run_w4a16_cuda(plan, reverse=reverse, source=source)
 
 
 @needs_cxx
@@ -90,9 +90,9 @@ def test_emulated_kernel_keeps_repeated_ids_apart():
 
 
 def _mutant(tmp_path: Path, old: str, new: str) -> Path:
-    text = tp.SOURCE.read_text()
+    text = tc.SOURCE.read_text()
     assert text.count(old) == 1, old
-    path = tmp_path / "_w4a16_pairs.cu"
+    path = tmp_path / "_w4a16_cuda.cu"
     path.write_text(text.replace(old, new))
     return path
 
@@ -132,7 +132,7 @@ def test_a_stray_load_is_reported(tmp_path):
 def test_a_kernel_that_does_not_compile_says_so(tmp_path):
     source = _mutant(tmp_path, "const int BIG = 0x7fffffff;", "const int BIG = ;")
     w, s, s2, ids = _case(1, 32, 64, seed=1)
-    with pytest.raises(RuntimeError, match=r"failed on _w4a16_pairs.cu:[\s\S]*BIG"):
+    with pytest.raises(RuntimeError, match=r"failed on _w4a16_cuda.cu:[\s\S]*BIG"):
         _run(torch.zeros(1, 64).bfloat16(), ids, w, s, s2, x_per_pair=False, relu2=False,
              source=source)
 
@@ -148,8 +148,8 @@ def test_pair_w4a16_dispatches_to_the_kernel_as_planned(monkeypatch):
         calls.append(plan)
         return cuda_emu.emulated_launcher(plan)
 
-    monkeypatch.setattr(tw, "pairs_cuda_ok", lambda x, w, tokens: 0 < tokens <= 16)
-    monkeypatch.setattr(tp, "launcher", emulated)
+    monkeypatch.setattr(tw, "cuda_ok", lambda x, w, tokens: 0 < tokens <= 16)
+    monkeypatch.setattr(tc, "launcher", emulated)
     w, s, s2 = _experts(E, 64, 256, seed=9)
     wd, sd, s2d = _experts(E, 256, 64, seed=10)
     for tokens, dedup in [(1, False), (7, True), (16, True)]:
@@ -181,9 +181,9 @@ def test_moe_layer_with_the_shared_expert_riding(monkeypatch):
         launches.append(plan.grid)
         return cuda_emu.emulated_launcher(plan)
 
-    monkeypatch.setattr(tw, "pairs_cuda_ok", lambda x, w, tokens: 0 < tokens <= tp.MAX_TOKENS
-                        and (w.shape[-1] * 2) % tp.UNIT_K == 0)
-    monkeypatch.setattr(tp, "launcher", emulated)
+    monkeypatch.setattr(tw, "cuda_ok", lambda x, w, tokens: 0 < tokens <= tc.MAX_TOKENS
+                        and (w.shape[-1] * 2) % tc.UNIT_K == 0)
+    monkeypatch.setattr(tc, "launcher", emulated)
     torch.manual_seed(0)
     model = presets.build_target("tiny", torch.device("cpu"), torch.bfloat16, True)
     moe = next(b.mixer for b in model.backbone.layers if b.kind == "moe")
@@ -207,7 +207,7 @@ def test_kernel_source_ships_with_the_package():
     root = Path(__file__).resolve().parents[1]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"]["blockspec"]
-    rel = tp.SOURCE.relative_to(root / "blockspec").as_posix()
+    rel = tc.SOURCE.relative_to(root / "blockspec").as_posix()
     assert any(fnmatch.fnmatch(rel, g) for g in globs)
 
 
@@ -221,9 +221,9 @@ def test_emulated_dense_mode(rows):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
     per_row = torch.rand(n, generator=torch.Generator().manual_seed(1)) * 1e-2 + 1e-3
     for ws2, relu2 in [(s2, True), (per_row, False)]:
-        plan = tp.plan_dense(x, w, s, ws2.reshape(-1).float(), relu2=relu2)
+        plan = tc.plan_dense(x, w, s, ws2.reshape(-1).float(), relu2=relu2)
         assert plan.grid[0] == 1
-        y = cuda_emu.run_w4a16_pairs(plan)
+        y = cuda_emu.run_w4a16_cuda(plan)
         ref = tw.w4a16_linear_reference(x, w, s, ws2)
         ref = torch.square(torch.relu(ref)) if relu2 else ref
         assert not y.isnan().any() and _rel(y, ref) <= 1e-2
@@ -241,8 +241,8 @@ def test_w4a16_linear_dispatch(monkeypatch):
         return cuda_emu.emulated_launcher(plan)
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")          # the Triton kernel on CPU tensors
-    monkeypatch.setattr(tw, "pairs_cuda_ok", lambda x, w, tokens: 0 < tokens <= tp.MAX_TOKENS)
-    monkeypatch.setattr(tp, "launcher", emulated)
+    monkeypatch.setattr(tw, "cuda_ok", lambda x, w, tokens: 0 < tokens <= tc.MAX_TOKENS)
+    monkeypatch.setattr(tc, "launcher", emulated)
     w, s, s2 = (t[0] for t in _experts(1, 96, 256, seed=3))
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
     ref = tw.w4a16_linear_reference(x, w, s, s2)

@@ -1,12 +1,13 @@
-"""The W4A16 MoE pair kernel at decode sizes, in CUDA (``_w4a16_pairs.cu``, which says why):
-each distinct expert of up to 16 tokens is read once, straight into mma.sync registers.
+"""The W4A16 NVFP4 kernel for calls of up to 16 bf16 rows, in CUDA (``_w4a16_cuda.cu``,
+which says why): MoE pairs (each distinct expert of the call's tokens read once, straight into
+mma.sync registers) and, in its dense mode, ``w4a16_linear`` calls.
 
-Compiled at first use by NVRTC (the library torch's CUDA wheels ship) into a cubin for the
-device, once per tile shape and device, and launched through the driver on torch's current
-stream, so CUDA graphs capture it like any kernel. CPU tensors and the Triton interpreter never
-come here (``pair_w4a16`` sends them to the Triton kernel); ``pair_w4a16_reference`` is the
-oracle its GPU tests compare against, and CPU tests run the kernel's own source through
-tests/cuda_emu.
+Compiled at first use by NVRTC (the library torch's CUDA wheels ship) into a cubin per tile
+shape, K and device, kept on disk between runs, and launched through the driver on torch's
+current stream, so CUDA graphs capture it like any kernel. CPU tensors and the Triton
+interpreter never come here (``w4a16.py`` sends them to its Triton kernel); the references
+there are the oracle its GPU tests compare against, and CPU tests run the kernel's own source
+through tests/cuda_emu.
 """
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ import torch
 
 from blockspec.kernels.triton_loader import interpreting
 
-SOURCE = Path(__file__).with_name("_w4a16_pairs.cu")
+SOURCE = Path(__file__).with_name("_w4a16_cuda.cu")
 MAX_TOKENS = 16          # two n8 MMA tiles of tokens
 UNIT_K = 64              # K per thread-quad step: one scale group per lane
 
 
-def pairs_cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int) -> bool:
+def cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int) -> bool:
     """Whether a W4A16 call can run here: bf16 CUDA activations (the MMA's type; fp16 stays
     with the Triton kernel), at most ``MAX_TOKENS`` tokens, K a multiple of ``UNIT_K``."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and not interpreting()
@@ -37,7 +38,7 @@ def pairs_cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int) -> bool:
 def default_tile(tokens: int, n: int, k: int) -> tuple[int, int, int]:
     """(m_tiles, k_warps, prefetch) for ``tokens`` rows of an [N, K] weight: 16-row MMA tiles
     per warp, warps splitting K in a CTA, and 64-K units each warp keeps loading ahead of
-    the one it decodes. Not yet measured on a GPU (scripts/bench_w4a16_pairs.py picks)."""
+    the one it decodes. Not yet measured on a GPU (scripts/bench_w4a16_cuda.py picks)."""
     return 2, 4, 1
 
 
@@ -49,7 +50,7 @@ def _kernel(m_tiles: int, n_tiles: int, k_warps: int, prefetch: int, k: int, dev
     cubin = cached_cubin(_nvrtc_library(cuda_utils), (m_tiles, n_tiles, k_warps, prefetch, k),
                          f"sm_{major}{minor}", cache_dir())
     with torch.cuda.device(device):
-        return cuda_utils._cuda_load_module(cubin, ["w4a16_pairs"])["w4a16_pairs"]
+        return cuda_utils._cuda_load_module(cubin, ["w4a16_cuda"])["w4a16_cuda"]
 
 
 def cache_dir() -> Path:
@@ -68,7 +69,7 @@ def cached_cubin(lib: ctypes.CDLL, shape: tuple[int, int, int, int, int], arch: 
     _nvrtc(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
     key = hashlib.sha256(f"{shape} {arch} nvrtc {major.value}.{minor.value}\n".encode()
                          + SOURCE.read_bytes()).hexdigest()[:24]
-    path = cache / f"w4a16_pairs_{key}.cubin"
+    path = cache / f"w4a16_cuda_{key}.cubin"
     if path.is_file():
         return path.read_bytes()
     cubin = compile_cubin(lib, *shape, arch)
@@ -88,7 +89,7 @@ def compile_cubin(lib: ctypes.CDLL, m_tiles: int, n_tiles: int, k_warps: int, pr
     src = (f"#define MT {m_tiles}\n#define NT {n_tiles}\n#define KW {k_warps}\n"
            f"#define PF {prefetch}\n#define KDIM {k}\n" + SOURCE.read_text())
     prog = ctypes.c_void_p()
-    _nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"w4a16_pairs.cu",
+    _nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"w4a16_cuda.cu",
                                        0, None, None), "nvrtcCreateProgram")
     try:
         opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
@@ -97,7 +98,7 @@ def compile_cubin(lib: ctypes.CDLL, m_tiles: int, n_tiles: int, k_warps: int, pr
             lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
             log = ctypes.create_string_buffer(size.value)
             lib.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"w4a16_pairs: NVRTC failed for {arch}:\n"
+            raise RuntimeError(f"w4a16_cuda: NVRTC failed for {arch}:\n"
                                f"{log.value.decode(errors='replace')}")
         size = ctypes.c_size_t()
         _nvrtc(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
@@ -118,7 +119,7 @@ def _nvrtc_library(cuda_utils) -> ctypes.CDLL:
         path = wheel_nvrtc([Path(p) for p in (spec.submodule_search_locations or [])]
                            if spec else [])
         if path is None:
-            raise RuntimeError("w4a16_pairs: no NVRTC library: torch's loader found none and "
+            raise RuntimeError("w4a16_cuda: no NVRTC library: torch's loader found none and "
                                "no nvidia/*/lib/libnvrtc.so.* is installed") from None
         return ctypes.CDLL(str(path))
 
@@ -134,7 +135,7 @@ def wheel_nvrtc(roots: list[Path]) -> Path | None:
 
 def _nvrtc(lib, status: int, what: str) -> None:
     if status != 0:
-        raise RuntimeError(f"w4a16_pairs: {what} returned NVRTC status {status}")
+        raise RuntimeError(f"w4a16_cuda: {what} returned NVRTC status {status}")
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class LaunchPlan:
     out: torch.Tensor
 
 
-def plan_launch(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
+def plan_pairs(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                 weight_scale: torch.Tensor, ws2: torch.Tensor, *, x_per_pair: bool,
                 relu2: bool, distinct: bool, shared_parts: int, rows: int,
                 m_tiles: int | None = None, k_warps: int | None = None,
@@ -189,7 +190,7 @@ def _plan(x: torch.Tensor, ids: torch.Tensor, ids_step: int, weight: torch.Tenso
     k = half_k * 2
     mt, kw, pf = (a or b for a, b in zip(tile, default_tile(tokens, n, k)))
     if x.dtype != torch.bfloat16:
-        raise ValueError(f"w4a16_pairs: x must be bf16, got {x.dtype}")
+        raise ValueError(f"w4a16_cuda: x must be bf16, got {x.dtype}")
     x = x.contiguous()
     if x.data_ptr() % 16 or k % 8:
         x = x.clone()                      # 16-byte loads of x
@@ -208,8 +209,8 @@ def _plan(x: torch.Tensor, ids: torch.Tensor, ids_step: int, weight: torch.Tenso
 
 def pair_w4a16_cuda(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                     weight_scale: torch.Tensor, ws2: torch.Tensor, **kwargs) -> torch.Tensor:
-    """``plan_launch``'s launch on x's CUDA device -> ``[rows, N]`` bf16."""
-    plan = plan_launch(x, ids, weight, weight_scale, ws2, **kwargs)
+    """``plan_pairs``'s launch on x's CUDA device -> ``[rows, N]`` bf16."""
+    plan = plan_pairs(x, ids, weight, weight_scale, ws2, **kwargs)
     launcher(plan, x.device)(grid=plan.grid, block=plan.block, args=plan.args)
     return plan.out
 

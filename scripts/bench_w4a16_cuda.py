@@ -1,5 +1,5 @@
 """The MoE pair calls of a decode step at Lightning's expert shapes: the CUDA kernel
-(``kernels/w4a16_pairs.py``) at each tile shape against the Triton pair kernel, per call and
+(``kernels/w4a16_cuda.py``) at each tile shape against the Triton pair kernel, per call and
 in GB/s of the distinct experts' bytes; then dense calls of up to 16 rows (the kernel's dense
 mode against ``w4a16_linear``'s Triton kernel).
 
@@ -8,7 +8,7 @@ experts + 2 shared slices, every launch with its own random top-6 routing (so th
 bytes come from DRAM, as in a forward's 23 layers). One JSON line per (tokens, projection,
 kernel) on stdout; the best tile per (projection, tokens) against Triton on stderr.
 
-    python scripts/bench_w4a16_pairs.py --tokens 1,4,7,8,16
+    python scripts/bench_w4a16_cuda.py --tokens 1,4,7,8,16
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 import torch
 
 from blockspec.kernels import w4a16 as tw
-from blockspec.kernels import w4a16_pairs as tp
+from blockspec.kernels import w4a16_cuda as tc
 
 SHAPES = {"up": (1856, 2688), "down": (2688, 1856)}   # (N, K) of a Lightning expert
 # (N, K, a global scale per output row) of dense calls: the published-size draft's fused
@@ -101,7 +101,7 @@ def main() -> None:
             runs = [("triton", triton)]
             for mt, kw, pf in tiles:
                 runs.append((f"cuda {mt}x{kw}x{pf}", lambda i, mt=mt, kw=kw, pf=pf:
-                             tp.pair_w4a16_cuda(xs[i], ids[i], w, s, ws2, rows=rows, m_tiles=mt,
+                             tc.pair_w4a16_cuda(xs[i], ids[i], w, s, ws2, rows=rows, m_tiles=mt,
                                                 k_warps=kw, prefetch=pf, **common)))
             _report({"proj": proj, "tokens": tokens}, runs, args, expert_bytes, distinct)
     dense(args, tiles)
@@ -124,7 +124,7 @@ def dense(args, tiles) -> None:
                 variant="v2"))]
             for mt, kw, pf in tiles:
                 runs.append((f"cuda {mt}x{kw}x{pf}", lambda i, mt=mt, kw=kw, pf=pf:
-                             tp.dense_w4a16_cuda(x, ws[i % copies][0][0], ws[i % copies][1][0],
+                             tc.dense_w4a16_cuda(x, ws[i % copies][0][0], ws[i % copies][1][0],
                                                  scales[i % copies].reshape(-1).float(),
                                                  relu2=False, m_tiles=mt, k_warps=kw,
                                                  prefetch=pf)))
