@@ -20,6 +20,10 @@
 #              scripts/adaptive_table.py (about 7 minutes: a call of its own)
 #   itl        streams' inter-token latency while a 32k prompt prefills (chunks 64, 128)
 #   prefixc    prefix cache: multi-turn batch 1 and 16 to 32k; agentic with DFlash
+#   w4a16cuda  the W4A16 CUDA kernel (MoE pairs, dense up to 16 rows): its GPU tests and
+#              bench_w4a16_cuda.py against the Triton kernels (about 6 minutes)
+#   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 (published
+#              profile), DSpark, and the DFlash width-7 step's profile
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -143,6 +147,29 @@ prefixc)
       --num-requests 16 --concurrency 1 --random-draft dflash-nemotron35 \
       --speculative-num-draft-tokens 6 --simulate-accept-profile dflash-published \
       2>>"$OUT/stderr.log" >/dev/null
+  ;;
+w4a16cuda)
+  timeout 120 python3 -m pytest -m gpu tests/test_pair_w4a16.py \
+      -q -p no:cacheprovider -o addopts="" -rf 2>&1 | tail -30 > "$OUT/gpu_tests_w4a16cuda.log"
+  tail -3 "$OUT/gpu_tests_w4a16cuda.log"
+  timeout 240 python3 scripts/bench_w4a16_cuda.py > "$OUT/bench_w4a16cuda.jsonl" \
+      2> "$OUT/bench_w4a16cuda_summary.txt"
+  cat "$OUT/bench_w4a16cuda_summary.txt"
+  ;;
+batch1)
+  L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
+     --output-len 256 --repeats 3 --batch-size 1"
+  timeout 100 $L --out "$OUT/ar_b1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  timeout 150 $L --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
+      --speculative-adaptive --fixed-widths 6,7,8 --simulate-accept-profile dflash-published \
+      --out "$OUT/dflash_b1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  timeout 100 $L --random-draft dspark-nemotron35 --speculative-num-draft-tokens 4 \
+      --simulate-accept-profile dspark-published --out "$OUT/dspark_b1.jsonl" \
+      2>>"$OUT/stderr.log" >/dev/null
+  python3 scripts/adaptive_table.py "$OUT/ar_b1.jsonl" "$OUT/dflash_b1.jsonl"
+  timeout 90 python3 scripts/profile_step.py --preset nemotron-3.5-lightning --quantized \
+      --draft dflash-nemotron35 --width 8 --step-width 7 --simulate-accept-length 4.41 \
+      --out "$OUT/profile_w7_b1.txt" 2>>"$OUT/stderr.log"
   ;;
 esac
 done
