@@ -144,6 +144,15 @@ prefixc)
       --speculative-num-draft-tokens 6 --simulate-accept-profile dflash-published \
       2>>"$OUT/stderr.log" >/dev/null
   ;;
+mamba)
+  timeout 150 python3 -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider \
+      -o addopts="" -rf 2>&1 | tail -20 > "$OUT/gpu_tests_mamba.log"; tail -3 "$OUT/gpu_tests_mamba.log"
+  P="timeout 90 python3 scripts/profile_step.py --preset nemotron-3.5-lightning --quantized"
+  $P --out "$OUT/profile_ar_b1.txt" 2>>"$OUT/stderr.log"
+  $P --draft dflash-nemotron35 --width 8 --step-width 7 --simulate-accept-length 4.41 \
+      --out "$OUT/profile_w7_b1.txt" 2>>"$OUT/stderr.log"
+  grep -h "graph replay\|_mamba_steps_kernel" "$OUT"/profile_ar_b1.txt "$OUT"/profile_w7_b1.txt
+  ;;
 esac
 done
 tail -5 "$OUT/stderr.log" 2>/dev/null
