@@ -9,6 +9,8 @@
 #   fullspec   full preset, own AR vs DFlash w6 tau 4.2 vs DSpark gamma 3 tau 3.7, batch 1,4,16,64
 #   fullspecq  fullspec in the Lightning quantization (W4A16 experts / shared / lm_head, FP8 Mamba)
 #   fullprof   full preset step profiles by phase and layer kind (AR bf16 / quantized, DFlash)
+#   mamba      the Mamba step kernels' GPU tests (tests/test_kernels.py) and the quantized
+#              full preset's AR and DFlash width-7 step profiles (the _mamba_steps_kernel rows)
 #   longctx    full preset, batch 1 decode after a 1k and a 16k prompt
 #   prefill    full preset TTFT vs the compute floor, 1k-128k prompts, quantized and bf16;
 #              the quantized 16k prefill's breakdown by layer kind (table: prefill_breakdown.txt)
@@ -94,6 +96,15 @@ fullprof)
   $P --quantized --batch-size 64 --out "$OUT/profile_full_ar_quant_b64.txt" 2>>"$OUT/stderr.log"
   $P --draft dflash --width 6 --out "$OUT/profile_full_dflash.txt" 2>>"$OUT/stderr.log"
   grep -h "preset\|graph replay\|eager step" "$OUT"/profile_full_*.txt
+  ;;
+mamba)
+  timeout 150 python3 -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider \
+      -o addopts="" -rf 2>&1 | tail -20 > "$OUT/gpu_tests_mamba.log"; tail -3 "$OUT/gpu_tests_mamba.log"
+  P="timeout 90 python3 scripts/profile_step.py --preset nemotron-3.5-lightning --quantized"
+  $P --out "$OUT/profile_ar_b1.txt" 2>>"$OUT/stderr.log"
+  $P --draft dflash-nemotron35 --width 8 --step-width 7 --simulate-accept-length 4.41 \
+      --out "$OUT/profile_w7_b1.txt" 2>>"$OUT/stderr.log"
+  grep -h "graph replay\|_mamba_steps_kernel" "$OUT"/profile_ar_b1.txt "$OUT"/profile_w7_b1.txt
   ;;
 longctx)
   L="$B --preset nemotron-3.5-lightning --batch-size 1 --output-len 128 --repeats 2"
