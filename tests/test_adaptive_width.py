@@ -265,6 +265,24 @@ def test_fixed_width_is_pinned_to_the_maximum(target):
     assert _widths(outs)[:3] == [0, 0, 0] and _widths(outs)[3] > 0
 
 
+def test_fixed_width_skips_the_ewma(target, monkeypatch):
+    """One candidate width leaves nothing to choose: its steps never run the EWMA update (two
+    dozen small kernels a step on a GPU), and still decode exactly."""
+    root, folder, ref = target
+    e = _engine(root, folder, "dflash", 4, adaptive=False)
+    assert e.drafter.ewma is None
+
+    def refuse(*_):
+        raise AssertionError("a fixed-width step ran the acceptance EWMA")
+    monkeypatch.setattr(AcceptanceEWMA, "update", refuse)
+    outs = e.generate(input_ids=PROMPTS[:4], sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == ref[:4]
+    assert sum(_widths(outs)) > 0 and e.drafter.chooser.p == [0.8] * 3
+    with pytest.raises(RuntimeError, match="ran the acceptance EWMA"):   # adaptive runs it
+        _engine(root, folder, "dflash", 4).generate(input_ids=PROMPTS[:1],
+                                                    sampling_params=GREEDY)
+
+
 def test_off_by_default(target):
     root, folder, _ = target
     cfg = draft_config("dflash", hidden=HIDDEN, vocab=VOCAB, target_layers=LAYERS, block_size=4)
