@@ -279,10 +279,8 @@ class SpecWorker:
         if penalized:
             kept = torch.arange(T, device=toks.device)[None] <= acc[:, None]
             count_tokens(inp["pen_counts"], inp["slot"], toks, kept)
-        G = self.gamma
         if self.ewma is not None:
-            ewma = torch.cat([self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T)[:, :G],
-                              self.ewma.engine[None, :G].expand(B, G)], dim=1).double()
+            ewma = self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T)
         else:
             ewma = self._no_ewma[:B]
         self.runner.advance_inputs(inp, bonus, acc + 1, verified=True)
