@@ -1,7 +1,8 @@
-"""The paged attention kernel compiles for sm_90 without a GPU (Triton's own ptxas): the
-interpreter runs the kernels' Python, not the compiler, so a construct it accepts could still
-fail to compile on the GPU. Both prefill variants (masked and unmasked full blocks) at the
-tile shapes ``scripts/tune_attention_prefill.py`` sweeps."""
+"""Kernels compile for sm_90 without a GPU (Triton's own ptxas): the interpreter runs the
+kernels' Python, not the compiler, so a construct it accepts could still fail to compile on the
+GPU. The paged attention kernel in both prefill variants (masked and unmasked full blocks) at
+the tile shapes ``scripts/tune_attention_prefill.py`` sweeps; the acceptance EWMA update at
+batch blocks from 1 to 256 rows."""
 from __future__ import annotations
 
 import os
@@ -47,5 +48,35 @@ def test_paged_attention_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
+EWMA_SCRIPT = r'''
+from triton import compile as tcompile
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from blockspec.kernels import acceptance_ewma as ae
+from blockspec.kernels.triton_loader import load_kernels
+k = load_kernels(ae._KERNELS)._ewma_update_kernel
+names = list(k.arg_names)
+ptrs = dict(TABLE="*fp32", ENGINE="*fp32", SLOT="*i64", CTR="*i64", ACC="*i64", OUT="*fp64",
+            alpha="fp32", engine_alpha="fp32")
+for bb, bp, warps in ((1, 8, 4), (64, 16, 4), (256, 16, 8)):
+    const = dict(BLOCK_B=bb, BLOCK_P=bp)
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+    src = ASTSource(fn=k, signature=sig,
+                    constexprs={(names.index(c),): v for c, v in const.items()})
+    c = tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert c.asm["cubin"], (bb, bp)
+print("compiled")
+'''
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel has no ptxas")
+def test_acceptance_ewma_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    res = subprocess.run([sys.executable, "-c", EWMA_SCRIPT], env=env, capture_output=True,
                          text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]

@@ -66,7 +66,13 @@ class SpecWorker:
         self.widths = candidate_widths(self.width, adaptive)
         self.cost = CostTable()
         self.chooser = WidthChooser(self.widths, self.cost)
-        self.ewma = AcceptanceEWMA(self.memory.dummy_slot + 1, self.gamma, self.memory.device)
+        # a fixed width has nothing to choose: its steps skip the EWMA (some 25 small kernels
+        # a step) and report zeros in its columns
+        self.ewma = (AcceptanceEWMA(self.memory.dummy_slot + 1, self.gamma, self.memory.device)
+                     if len(self.widths) > 1 else None)
+        self._no_ewma = (None if self.ewma is not None else
+                         torch.zeros(runner.inputs.max_bs, 2 * self.gamma, dtype=torch.float64,
+                                     device=self.memory.device))
         self._fns = {w: self._step_at(w) for w in self.widths}
         # grammar-constrained steps: propose -> verify forward -> masked finish, eagerly: the
         # three phases replayed as graphs made an illegal memory access on the GPU under a
@@ -170,16 +176,17 @@ class SpecWorker:
             res.append((a, [int(t) for t in row[1:a + 2]], row[1 + T:T + a + 2], tops))
             ewma.append(row[1 + 2 * T:1 + 2 * T + G])
             engine = row[1 + 2 * T + G:1 + 2 * T + 2 * G]
-        self.chooser.observe(ewma, engine)
+        if self.ewma is not None:
+            self.chooser.observe(ewma, engine)
         return res
 
     def step_fn(self, inp: dict[str, torch.Tensor], key: tuple, width: int | None = None,
                 ) -> torch.Tensor:
         """Draft -> verify the first ``width`` - 1 drafts (default all) -> accept -> commit for
         every row, device ops only. Returns [B, 1 + 2T + 2γ] float64 (T = width): accepted
-        drafts, committed tokens (padded), logprobs, the rows' acceptance EWMA, the engine
-        row (the same in every row; then, with top logprobs, T * TOP_LOGPROBS_MAX values and
-        as many ids)."""
+        drafts, committed tokens (padded), logprobs, the rows' acceptance EWMA and the engine
+        row (the same in every row; zeros at a fixed width), then, with top logprobs,
+        T * TOP_LOGPROBS_MAX values and as many ids."""
         w = self.width if width is None else width
         proposal = self._propose(inp, key, w)
         return self._finish(inp, key, w, proposal, self._verify_forward(inp, proposal, w))
@@ -272,9 +279,10 @@ class SpecWorker:
         if penalized:
             kept = torch.arange(T, device=toks.device)[None] <= acc[:, None]
             count_tokens(inp["pen_counts"], inp["slot"], toks, kept)
-        G = self.gamma
-        ewma = torch.cat([self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T)[:, :G],
-                          self.ewma.engine[None, :G].expand(B, G)], dim=1).double()
+        if self.ewma is not None:
+            ewma = self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T)
+        else:
+            ewma = self._no_ewma[:B]
         self.runner.advance_inputs(inp, bonus, acc + 1, verified=True)
         if want_top:
             lp, vals, ids = chosen_and_top(logits.reshape(B * T, -1), toks.reshape(-1),
