@@ -24,6 +24,8 @@
 #   prefixc    prefix cache: multi-turn batch 1 and 16 to 32k; agentic with DFlash
 #   w4a16cuda  the W4A16 CUDA kernel (MoE pairs, dense up to 16 rows): its GPU tests and
 #              bench_w4a16_cuda.py against the Triton kernels (about 6 minutes)
+#   nexttests  the GPU tests of the kernels not yet run on a GPU (CUDA W4A16, Mamba step,
+#              acceptance EWMA) and the adaptive engine's (about 5 minutes)
 #   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 (published
 #              profile), DSpark, and the DFlash width-7 step's profile
 set -uo pipefail
@@ -166,6 +168,11 @@ w4a16cuda)
   timeout 240 python3 scripts/bench_w4a16_cuda.py > "$OUT/bench_w4a16cuda.jsonl" \
       2> "$OUT/bench_w4a16cuda_summary.txt"
   cat "$OUT/bench_w4a16cuda_summary.txt"
+  ;;
+nexttests)
+  timeout 540 python3 -m pytest -m gpu tests/test_pair_w4a16.py tests/test_kernels.py \
+      tests/test_acceptance_ewma_kernel.py tests/test_gpu_adaptive.py -q -p no:cacheprovider \
+      -o addopts="" -rf 2>&1 | tail -40 > "$OUT/gpu_tests_next.log"; tail -8 "$OUT/gpu_tests_next.log"
   ;;
 batch1)
   L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
