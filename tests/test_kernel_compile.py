@@ -15,68 +15,64 @@ import pytest
 triton = pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+needs_ptxas = pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel has no ptxas")
 
-SCRIPT = r'''
-import sys
+# run in a fresh process (no TRITON_INTERPRET): sm90(kernel, ptrs, const, **options) compiles
+# one specialisation, pointer/float arguments typed by ``ptrs``, the rest i32
+PRELUDE = r'''
 from triton import compile as tcompile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from blockspec.kernels import paged_attention as pa
 from blockspec.kernels.triton_loader import load_kernels
+
+
+def sm90(k, ptrs, const, **options):
+    names = list(k.arg_names)
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+    src = ASTSource(fn=k, signature=sig,
+                    constexprs={(names.index(c),): v for c, v in const.items()})
+    assert tcompile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+'''
+
+ATTENTION = r'''
+from blockspec.kernels import paged_attention as pa
 k = load_kernels(pa._KERNELS)._attn_kernel
-names = list(k.arg_names)
 ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", PM="*fp32", PL="*fp32", PO="*fp32",
             BT="*i32", SLOTS="*i64", SEQ="*i64", QST="*i64", TILE_REQ="*i32", TILE_R0="*i32",
             SINK="*fp32", scale="fp32")
 for full in (False, True):
     for bm, bn, warps, stages in ((64, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 2)):
-        const = dict(G=16, D=128, BLOCK_D=128, PAGE=16, BLOCK_M=bm, BLOCK_N=bn, SPLITS=1,
-                     CAUSAL=True, WINDOWED=False, HAS_SINK=False, IEEE=False, STATIC_ITERS=0,
-                     FULL_BLOCKS=full, EVEN_D=True)
-        sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
-        src = ASTSource(fn=k, signature=sig,
-                        constexprs={(names.index(c),): v for c, v in const.items()})
-        c = tcompile(src, target=GPUTarget("cuda", 90, 32),
-                     options={"num_warps": warps, "num_stages": stages})
-        assert c.asm["cubin"], (full, bm, bn)
+        sm90(k, ptrs, dict(G=16, D=128, BLOCK_D=128, PAGE=16, BLOCK_M=bm, BLOCK_N=bn, SPLITS=1,
+                           CAUSAL=True, WINDOWED=False, HAS_SINK=False, IEEE=False,
+                           STATIC_ITERS=0, FULL_BLOCKS=full, EVEN_D=True),
+             num_warps=warps, num_stages=stages)
 print("compiled")
 '''
 
-
-@pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel has no ptxas")
-def test_paged_attention_compiles_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=300, cwd=ROOT)
-    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
-
-
-EWMA_SCRIPT = r'''
-from triton import compile as tcompile
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+EWMA = r'''
 from blockspec.kernels import acceptance_ewma as ae
-from blockspec.kernels.triton_loader import load_kernels
 k = load_kernels(ae._KERNELS)._ewma_update_kernel
-names = list(k.arg_names)
 ptrs = dict(TABLE="*fp32", ENGINE="*fp32", SLOT="*i64", CTR="*i64", ACC="*i64", OUT="*fp64",
             alpha="fp32", engine_alpha="fp32")
 for bb, bp, warps in ((1, 8, 4), (64, 16, 4), (256, 16, 8)):
-    const = dict(BLOCK_B=bb, BLOCK_P=bp)
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
-    src = ASTSource(fn=k, signature=sig,
-                    constexprs={(names.index(c),): v for c, v in const.items()})
-    c = tcompile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    assert c.asm["cubin"], (bb, bp)
+    sm90(k, ptrs, dict(BLOCK_B=bb, BLOCK_P=bp), num_warps=warps)
 print("compiled")
 '''
 
 
-@pytest.mark.skipif(not PTXAS.exists(), reason="this triton wheel has no ptxas")
-def test_acceptance_ewma_compiles_for_sm90():
+def _compiles(body: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    res = subprocess.run([sys.executable, "-c", EWMA_SCRIPT], env=env, capture_output=True,
+    res = subprocess.run([sys.executable, "-c", PRELUDE + body], env=env, capture_output=True,
                          text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
+@needs_ptxas
+def test_paged_attention_compiles_for_sm90():
+    _compiles(ATTENTION)
+
+
+@needs_ptxas
+def test_acceptance_ewma_compiles_for_sm90():
+    _compiles(EWMA)
