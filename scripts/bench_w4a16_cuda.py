@@ -7,14 +7,18 @@ Each measurement replays a CUDA graph of ``--calls`` launches over one stack of 
 experts + 2 shared slices, every launch with its own random top-6 routing (so the experts'
 bytes come from DRAM, as in a forward's 23 layers). One JSON line per (tokens, projection,
 kernel) on stdout; the best tile per (projection, tokens) against Triton on stderr.
+``--write-table F`` writes those picks as the kernel's tile table (the format of
+``blockspec/kernels/w4a16_cuda_tiles.json``): the best tile per call shape, or "triton" where
+the Triton kernel was faster, so the dispatch sends those calls back to it.
 
-    python scripts/bench_w4a16_cuda.py --tokens 1,4,7,8,16
+    python scripts/bench_w4a16_cuda.py --tokens 1,4,7,8,16 [--write-table T.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -74,7 +78,9 @@ def main() -> None:
     ap.add_argument("--dense-rows", default="1,7,8")
     ap.add_argument("--calls", type=int, default=23)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--write-table", default=None, help="write the picks as a tile table here")
     args = ap.parse_args()
+    picks: list[dict] = []
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     for proj, (n, k) in SHAPES.items():
         w, s, s2 = _stack(n, k)
@@ -103,14 +109,32 @@ def main() -> None:
                 runs.append((f"cuda {mt}x{kw}x{pf}", lambda i, mt=mt, kw=kw, pf=pf:
                              tc.pair_w4a16_cuda(xs[i], ids[i], w, s, ws2, rows=rows, m_tiles=mt,
                                                 k_warps=kw, prefetch=pf, **common)))
-            _report({"proj": proj, "tokens": tokens}, runs, args, expert_bytes, distinct)
-    dense(args, tiles)
+            picks.append(_report({"proj": proj, "tokens": tokens}, runs, args, expert_bytes,
+                                 distinct) | {"mode": "pairs", "n": n, "k": k})
+    picks += dense(args, tiles)
+    if args.write_table:
+        Path(args.write_table).write_text(json.dumps(
+            {"device": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
+             "entries": table_entries(picks)}, indent=1) + "\n")
 
 
-def dense(args, tiles) -> None:
+def table_entries(picks: list[dict]) -> list[dict]:
+    """The tile table's entries from the bench's picks ({mode, n, k, tokens, best, best_us,
+    triton_us}): the best CUDA tile where it beat the Triton kernel, else None ("triton")."""
+    out = []
+    for p in sorted(picks, key=lambda p: (p["mode"], p["n"], p["k"], p["tokens"])):
+        wins = p["best_us"] < p["triton_us"]
+        out.append({"mode": p["mode"], "n": p["n"], "k": p["k"], "tokens": p["tokens"],
+                    "tile": [int(v) for v in p["best"].split()[-1].split("x")] if wins else None,
+                    "us": p["best_us"], "triton_us": p["triton_us"]})
+    return out
+
+
+def dense(args, tiles) -> list[dict]:
     """Dense W4A16 calls of up to 16 rows (the published-size draft's projections, the LM
     head): the CUDA kernel's dense mode at each tile against ``w4a16_linear``'s Triton kernel
     with its tuned table, over enough weight copies that each call reads DRAM."""
+    picks = []
     for name, (n, k, per_row) in DENSE.items():
         wbytes = n * k // 2 + n * k // 16
         copies = max(2, min(args.calls, int(256e6 // wbytes) + 1))
@@ -128,10 +152,12 @@ def dense(args, tiles) -> None:
                                                  scales[i % copies].reshape(-1).float(),
                                                  relu2=False, m_tiles=mt, k_warps=kw,
                                                  prefetch=pf)))
-            _report({"proj": name, "tokens": rows}, runs, args, wbytes, 1.0)
+            picks.append(_report({"proj": name, "tokens": rows}, runs, args, wbytes, 1.0)
+                         | {"mode": "dense", "n": n, "k": k})
+    return picks
 
 
-def _report(key: dict, runs: list, args, expert_bytes: int, distinct: float) -> None:
+def _report(key: dict, runs: list, args, expert_bytes: int, distinct: float) -> dict:
     ref = runs[0][1](0).float()
     times = {}
     for name, fn in runs:
@@ -145,6 +171,8 @@ def _report(key: dict, runs: list, args, expert_bytes: int, distinct: float) -> 
     print(f"{key['proj']} {key['tokens']:2d} tokens: triton {times['triton']:.2f} us, best "
           f"{best} {times[best]:.2f} us ({times['triton'] / times[best]:.2f}x)",
           file=sys.stderr, flush=True)
+    return {"tokens": key["tokens"], "best": best, "best_us": round(times[best], 2),
+            "triton_us": round(times["triton"], 2)}
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@
 #   itl        streams' inter-token latency while a 32k prompt prefills (chunks 64, 128)
 #   prefixc    prefix cache: multi-turn batch 1 and 16 to 32k; agentic with DFlash
 #   w4a16cuda  the W4A16 CUDA kernel (MoE pairs, dense up to 16 rows): its GPU tests and
-#              bench_w4a16_cuda.py against the Triton kernels (about 6 minutes)
+#              bench_w4a16_cuda.py against the Triton kernels, whose tile table
+#              (w4a16_cuda_tiles.json) the later stages of the call use (about 6 minutes)
 #   nexttests  the GPU tests of the kernels not yet run on a GPU (CUDA W4A16, Mamba step,
 #              acceptance EWMA) and the adaptive engine's (about 5 minutes)
 #   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 (published
@@ -165,9 +166,11 @@ w4a16cuda)
   timeout 120 python3 -m pytest -m gpu tests/test_pair_w4a16.py \
       -q -p no:cacheprovider -o addopts="" -rf 2>&1 | tail -30 > "$OUT/gpu_tests_w4a16cuda.log"
   tail -3 "$OUT/gpu_tests_w4a16cuda.log"
-  timeout 240 python3 scripts/bench_w4a16_cuda.py > "$OUT/bench_w4a16cuda.jsonl" \
-      2> "$OUT/bench_w4a16cuda_summary.txt"
+  timeout 240 python3 scripts/bench_w4a16_cuda.py --write-table "$OUT/w4a16_cuda_tiles.json" \
+      > "$OUT/bench_w4a16cuda.jsonl" 2> "$OUT/bench_w4a16cuda_summary.txt"
   cat "$OUT/bench_w4a16cuda_summary.txt"
+  # later stages of this call dispatch by the fresh table (commit it from $OUT to keep it)
+  cp "$OUT/w4a16_cuda_tiles.json" blockspec/kernels/ 2>/dev/null
   ;;
 nexttests)
   timeout 540 python3 -m pytest -m gpu tests/test_pair_w4a16.py tests/test_kernels.py \

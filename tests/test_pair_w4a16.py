@@ -8,7 +8,9 @@ CUDA kernel (``w4a16_cuda``, up to 16 tokens) at each tile shape, on odd shapes 
 """
 import ctypes
 import importlib.util
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +28,15 @@ gpu = pytest.mark.gpu
 
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def _script(name):
+    """A module of scripts/ (they are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _experts(e, n, k, seed, device="cpu"):
@@ -183,9 +194,35 @@ def test_dense_relu2_epilogue_gpu(m):
     assert torch.equal(tw.w4a16_linear(x, w, s, s2, relu2=True), ref)  # same kernel, + epilogue
 
 
+def test_tile_table_picks_tiles_and_hands_calls_back_to_triton(tmp_path, monkeypatch):
+    """The bench's table: a shape's best tile, the next measured token count up (the largest
+    past them), FALLBACK_TILE for shapes it lacks, and no CUDA where Triton measured faster."""
+    bench = _script("bench_w4a16_cuda")
+    picks = [dict(mode="pairs", n=1856, k=2688, tokens=t, best=b, best_us=u, triton_us=9.0)
+             for t, b, u in ((1, "cuda 2x4x2", 5.0), (7, "cuda 1x8x1", 8.0), (4, "cuda 2x4x1", 6.0))]
+    picks.append(dict(mode="dense", n=2688, k=4096, tokens=8, best="cuda 1x16x1", best_us=7.0,
+                      triton_us=6.5))
+    table = tmp_path / "tiles.json"
+    table.write_text(json.dumps({"entries": bench.table_entries(picks)}))
+    monkeypatch.setattr(tc, "TILES", table)
+    tc.tile_table.cache_clear()
+    try:
+        assert [tc.default_tile("pairs", t, 1856, 2688) for t in (1, 2, 4, 5, 7, 16)] == [
+            (2, 4, 2), (2, 4, 1), (2, 4, 1), (1, 8, 1), (1, 8, 1), (1, 8, 1)]
+        assert tc.default_tile("pairs", 1, 2688, 1856) == tc.FALLBACK_TILE    # not measured
+        assert tc.measured_tile("dense", 8, 2688, 4096) == "triton"           # Triton faster
+        cuda_x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+        w = torch.zeros(2688, 2048, dtype=torch.uint8)
+        assert not tc.cuda_ok(cuda_x, w, 8, "dense")
+        assert tc.cuda_ok(cuda_x, w, 8, "pairs")            # the same shape in the other mode
+        assert tc.cuda_ok(cuda_x, torch.zeros(4, 1856, 1344, dtype=torch.uint8), 3, "pairs")
+    finally:
+        tc.tile_table.cache_clear()
+
+
 def test_cuda_pairs_only_for_cuda_tensors():
     w, s, s2 = _experts(2, 16, 64, seed=0)
-    assert not tc.cuda_ok(torch.zeros(2, 64), w, 2)
+    assert not tc.cuda_ok(torch.zeros(2, 64), w, 2, "pairs")
     with pytest.raises(ValueError, match="x must be bf16, got torch.float16"):
         tc.plan_dense(torch.zeros(2, 64, dtype=torch.float16), w[0], s[0], s2[0].reshape(1),
                       relu2=False)

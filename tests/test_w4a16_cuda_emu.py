@@ -148,7 +148,7 @@ def test_pair_w4a16_dispatches_to_the_kernel_as_planned(monkeypatch):
         calls.append(plan)
         return cuda_emu.emulated_launcher(plan)
 
-    monkeypatch.setattr(tw, "cuda_ok", lambda x, w, tokens: 0 < tokens <= 16)
+    monkeypatch.setattr(tw, "cuda_ok", lambda x, w, tokens, mode: 0 < tokens <= 16)
     monkeypatch.setattr(tc, "launcher", emulated)
     w, s, s2 = _experts(E, 64, 256, seed=9)
     wd, sd, s2d = _experts(E, 256, 64, seed=10)
@@ -181,7 +181,7 @@ def test_moe_layer_with_the_shared_expert_riding(monkeypatch):
         launches.append(plan.grid)
         return cuda_emu.emulated_launcher(plan)
 
-    monkeypatch.setattr(tw, "cuda_ok", lambda x, w, tokens: 0 < tokens <= tc.MAX_TOKENS
+    monkeypatch.setattr(tw, "cuda_ok", lambda x, w, tokens, mode: 0 < tokens <= tc.MAX_TOKENS
                         and (w.shape[-1] * 2) % tc.UNIT_K == 0)
     monkeypatch.setattr(tc, "launcher", emulated)
     torch.manual_seed(0)
@@ -241,7 +241,7 @@ def test_w4a16_linear_dispatch(monkeypatch):
         return cuda_emu.emulated_launcher(plan)
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")          # the Triton kernel on CPU tensors
-    monkeypatch.setattr(tw, "cuda_ok", lambda x, w, tokens: 0 < tokens <= tc.MAX_TOKENS)
+    monkeypatch.setattr(tw, "cuda_ok", lambda x, w, tokens, mode: 0 < tokens <= tc.MAX_TOKENS)
     monkeypatch.setattr(tc, "launcher", emulated)
     w, s, s2 = (t[0] for t in _experts(1, 96, 256, seed=3))
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4)).bfloat16()

@@ -305,7 +305,7 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     pre_m = pre.pop("block_m", None)
     block_m = block_m or pre_m or _builtin_v2_config(n, k, m)["block_m"]
     table_says = pre.pop("dequant", False) and not per_row   # measured on sm90 bf16
-    if not (tiled or dequant) and cuda_ok(x2, w, m):   # the CUDA kernel's dense mode
+    if not (tiled or dequant) and cuda_ok(x2, w, m, "dense"):   # the CUDA kernel's dense mode
         y = dense_w4a16_cuda(x2, w, s, ws2, relu2=relu2)
     elif (table_says if dequant is None else dequant) and grouped_mm_ok(x2):
         y = dequant_linear(x2, w, s, ws2, relu2)
@@ -447,7 +447,7 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     if pairs == 0:
         return x.new_empty((rows, n))
     ws2 = weight_scale_2.reshape(e).to(torch.float32)
-    if (dedup or tokens == 1) and cuda_ok(x, weight, tokens):
+    if (dedup or tokens == 1) and cuda_ok(x, weight, tokens, "pairs"):
         return pair_w4a16_cuda(x, ids, weight, weight_scale, ws2, x_per_pair=x_per_pair,
                                relu2=relu2, distinct=distinct, shared_parts=shared_parts, rows=rows)
     x2 = x if x.stride(-1) == 1 else x.contiguous()

@@ -15,6 +15,7 @@ import ctypes
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,18 +29,51 @@ MAX_TOKENS = 16          # two n8 MMA tiles of tokens
 UNIT_K = 64              # K per thread-quad step: one scale group per lane
 
 
-def cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int) -> bool:
-    """Whether a W4A16 call can run here: bf16 CUDA activations (the MMA's type; fp16 stays
-    with the Triton kernel), at most ``MAX_TOKENS`` tokens, K a multiple of ``UNIT_K``."""
+# the measured tile per call shape (scripts/bench_w4a16_cuda.py --write-table): absent, every
+# call of up to MAX_TOKENS rows takes the CUDA kernel at FALLBACK_TILE
+TILES = Path(__file__).with_name("w4a16_cuda_tiles.json")
+FALLBACK_TILE = (2, 4, 1)
+
+
+def cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int, mode: str) -> bool:
+    """Whether a W4A16 call (``mode`` "pairs" or "dense"; weight [..., N, K/2]) runs here: bf16
+    CUDA activations (the MMA's type; fp16 stays with the Triton kernel), at most
+    ``MAX_TOKENS`` tokens, K a multiple of ``UNIT_K``, and not a shape where the tile table
+    measured the Triton kernel faster."""
+    k = weight.shape[-1] * 2
     return (x.is_cuda and x.dtype == torch.bfloat16 and not interpreting()
-            and 0 < tokens <= MAX_TOKENS and (weight.shape[-1] * 2) % UNIT_K == 0)
+            and 0 < tokens <= MAX_TOKENS and k % UNIT_K == 0
+            and measured_tile(mode, tokens, weight.shape[-2], k) != "triton")
 
 
-def default_tile(tokens: int, n: int, k: int) -> tuple[int, int, int]:
+def default_tile(mode: str, tokens: int, n: int, k: int) -> tuple[int, int, int]:
     """(m_tiles, k_warps, prefetch) for ``tokens`` rows of an [N, K] weight: 16-row MMA tiles
     per warp, warps splitting K in a CTA, and 64-K units each warp keeps loading ahead of
-    the one it decodes. Not yet measured on a GPU (scripts/bench_w4a16_cuda.py picks)."""
-    return 2, 4, 1
+    the one it decodes; the tile table's where it has the shape, else ``FALLBACK_TILE``."""
+    tile = measured_tile(mode, tokens, n, k)
+    return tile if isinstance(tile, tuple) else FALLBACK_TILE
+
+
+def measured_tile(mode: str, tokens: int, n: int, k: int) -> tuple[int, int, int] | str | None:
+    """The table's answer for a call: its best CUDA tile, "triton" where the Triton kernel
+    was faster, None for a shape it does not have. Token counts between the measured ones
+    take the next measured count up (the largest past them)."""
+    rows = tile_table().get((mode, n, k))
+    if not rows:
+        return None
+    return next((t for m, t in rows if m >= tokens), rows[-1][1])
+
+
+@functools.lru_cache(maxsize=1)
+def tile_table() -> dict[tuple[str, int, int], list[tuple[int, tuple[int, int, int] | str]]]:
+    """``TILES`` as {(mode, N, K): [(tokens, tile or "triton"), ...] by tokens}."""
+    if not TILES.is_file():
+        return {}
+    table: dict = {}
+    for e in json.loads(TILES.read_text())["entries"]:
+        tile = tuple(e["tile"]) if e["tile"] else "triton"
+        table.setdefault((e["mode"], e["n"], e["k"]), []).append((e["tokens"], tile))
+    return {key: sorted(rows) for key, rows in table.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,7 +200,8 @@ def plan_pairs(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     return _plan(x, ids, 2 if ids.dtype == torch.int64 else 1, weight, weight_scale, ws2,
                  tokens=tokens, topk=topk, blocks=tokens * topk + shared_parts, rows=rows,
                  shared_parts=shared_parts, x_per_pair=x_per_pair, relu2=relu2,
-                 distinct=distinct, ws2_rows=False, tile=(m_tiles, k_warps, prefetch))
+                 distinct=distinct, ws2_rows=False, tile=(m_tiles, k_warps, prefetch),
+                 mode="pairs")
 
 
 def plan_dense(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -178,17 +213,17 @@ def plan_dense(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     output row (a fused stack of siblings)."""
     return _plan(x, ws2, 0, weight[None], weight_scale[None], ws2, tokens=x.shape[0], topk=1,
                  blocks=1, rows=x.shape[0], shared_parts=0, x_per_pair=False, relu2=relu2, distinct=True,
-                 ws2_rows=ws2.numel() > 1, tile=(m_tiles, k_warps, prefetch))
+                 ws2_rows=ws2.numel() > 1, tile=(m_tiles, k_warps, prefetch), mode="dense")
 
 
 def _plan(x: torch.Tensor, ids: torch.Tensor, ids_step: int, weight: torch.Tensor,
           weight_scale: torch.Tensor, ws2: torch.Tensor, *, tokens: int, topk: int, blocks: int,
-          rows: int,
-          shared_parts: int, x_per_pair: bool, relu2: bool, distinct: bool, ws2_rows: bool,
-          tile: tuple[int | None, int | None, int | None]) -> LaunchPlan:
+          rows: int, shared_parts: int, x_per_pair: bool, relu2: bool, distinct: bool,
+          ws2_rows: bool, tile: tuple[int | None, int | None, int | None],
+          mode: str) -> LaunchPlan:
     e, n, half_k = weight.shape
     k = half_k * 2
-    mt, kw, pf = (a or b for a, b in zip(tile, default_tile(tokens, n, k)))
+    mt, kw, pf = (a or b for a, b in zip(tile, default_tile(mode, tokens, n, k)))
     if x.dtype != torch.bfloat16:
         raise ValueError(f"w4a16_cuda: x must be bf16, got {x.dtype}")
     x = x.contiguous()
