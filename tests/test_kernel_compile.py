@@ -2,7 +2,7 @@
 kernels' Python, not the compiler, so a construct it accepts could still fail to compile on the
 GPU. The paged attention kernel in both prefill variants (masked and unmasked full blocks) at
 the tile shapes ``scripts/tune_attention_prefill.py`` sweeps; the acceptance EWMA update at
-batch blocks from 1 to 256 rows."""
+batch blocks from 1 to 256 rows; silu(gate) * up in bf16."""
 from __future__ import annotations
 
 import os
@@ -59,6 +59,13 @@ for bb, bp, warps in ((1, 8, 4), (64, 16, 4), (256, 16, 8)):
 print("compiled")
 '''
 
+SILU_MUL = r'''
+from blockspec.kernels import silu_mul as sm
+k = load_kernels(sm._KERNELS)._silu_mul_kernel
+sm90(k, dict(GU="*bf16", Y="*bf16"), dict(BLOCK=1024), num_warps=4)
+print("compiled")
+'''
+
 
 def _compiles(body: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -76,3 +83,8 @@ def test_paged_attention_compiles_for_sm90():
 @needs_ptxas
 def test_acceptance_ewma_compiles_for_sm90():
     _compiles(EWMA)
+
+
+@needs_ptxas
+def test_silu_mul_compiles_for_sm90():
+    _compiles(SILU_MUL)
