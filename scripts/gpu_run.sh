@@ -20,6 +20,7 @@
 #   widths     AR, and adaptive (max 8) against each fixed DFlash width pinned on the same
 #              engine, batch 1,4,16,64,128, published profile and tau 1.5; prints
 #              scripts/adaptive_table.py (about 7 minutes: a call of its own)
+#   tau15      the tau-1.5 rows alone (batch 1 and 4, 256 tokens x 3): AR, widths 1-2, adaptive
 #   itl        streams' inter-token latency while a 32k prompt prefills (chunks 64, 128)
 #   prefixc    prefix cache: multi-turn batch 1 and 16 to 32k; agentic with DFlash
 #   w4a16cuda  the W4A16 CUDA kernel (MoE pairs, dense up to 16 rows): its GPU tests and
@@ -147,6 +148,17 @@ widths)
   timeout 150 $W --fixed-widths 1,2 --simulate-accept-length 1.5 --out "$OUT/tau15.jsonl" \
       2>>"$OUT/stderr.log" >/dev/null
   python3 scripts/adaptive_table.py "$OUT/ar.jsonl" "$OUT"/dflash.jsonl "$OUT"/tau15.jsonl
+  ;;
+tau15)
+  # the low-acceptance rows alone: AR, widths 1 and 2 pinned and adaptive at tau 1.5, batch 1
+  # and 4, 256 tokens x 3 (about 4 minutes)
+  L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
+     --output-len 256 --repeats 3 --batch-size 1,4"
+  timeout 120 $L --out "$OUT/ar_tau15.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  timeout 240 $L --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
+      --speculative-adaptive --fixed-widths 1,2 --simulate-accept-length 1.5 \
+      --out "$OUT/tau15.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  python3 scripts/adaptive_table.py "$OUT/ar_tau15.jsonl" "$OUT/tau15.jsonl"
   ;;
 itl)
   timeout 200 $B --preset nemotron-3.5-lightning --quantized --itl-under-prefill --batch-size 16 \
