@@ -57,6 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from blockspec.kernels import tile_counters  # noqa: E402
 from blockspec.kernels import w4a16 as tw  # noqa: E402
 from blockspec.kernels import w4a16_tuned as tt  # noqa: E402
 
@@ -426,7 +427,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _reset_counters() -> None:
     """Zero the split-K tile counters: a failed launch must not corrupt the next point."""
-    for buf in tw._COUNTERS.values():
+    for buf in tile_counters._COUNTERS.values():
         buf.zero_()
 
 

@@ -10,7 +10,9 @@ import functools
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from blockspec.kernels import tile_counters as tile_counters_mod
 from blockspec.kernels import w4a16 as tw
 from blockspec.kernels.triton_loader import triton_available
 from blockspec.layers.moe import sort_by_expert
@@ -372,3 +374,19 @@ def test_nvfp4_linear_module_on_gpu_matches_cpu():
     # checkpoint's bytes and values
     assert mod.kernel_layout and torch.equal(mod.state_dict()["weight"].cpu(), p)
     assert torch.equal(mod.cpu()(x), cpu)
+
+
+def test_outgrown_tile_counters_stay_alive(monkeypatch):
+    """A graph captured with a split-K counters buffer keeps its address: a later launch that
+    needs more tiles gets a new buffer, and the old one is never freed (freed, a capture after
+    it could place its tensors there, and the old graph's counters would write into them)."""
+    monkeypatch.setattr(tile_counters_mod, "_COUNTERS", {})
+    monkeypatch.setattr(tile_counters_mod, "_OUTGROWN", [])
+    dev = torch.device("cpu")
+    small = tile_counters_mod.tile_counters(dev, 10)
+    old = StorageWeakRef(small.untyped_storage())
+    big = tile_counters_mod.tile_counters(dev, small.numel() + 1)
+    assert big.numel() > small.numel() and big.data_ptr() != small.data_ptr()
+    del small
+    assert not old.expired()
+    assert tile_counters_mod.tile_counters(dev, 5) is big   # the newest serves smaller ones

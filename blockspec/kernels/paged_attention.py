@@ -112,7 +112,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"paged_attention: block_n must be a power of two >= 16, got {block_n}")
     static_iters = -(-int(seq_lens.max()) // block_n) + 1 if interpret else 0
     ieee = q.dtype == torch.float32
-    sink_t = (sink.float() * _LOG2E).contiguous() if sink is not None else q.new_zeros(
+    # without sinks a placeholder pointer (never read: HAS_SINK and SPLITS gate every load), left
+    # unwritten: a zero fill would be one more launch per attention call
+    sink_t = (sink.float() * _LOG2E).contiguous() if sink is not None else q.new_empty(
         1, dtype=torch.float32)
     if splits > 1:
         rows = tiles * hkv * splits * block_m

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from blockspec.kernels.grouped_mm import grouped_mm_ok
 from blockspec.kernels.nvfp4_dequant import dequant_grouped, dequant_linear
+from blockspec.kernels.tile_counters import tile_counters
 from blockspec.kernels.triton_loader import interpreting, load_kernels, sm_count
 from blockspec.kernels.w4a16_blocks import expert_blocks, grouped_blocks  # noqa: F401 (MoE's)
 from blockspec.kernels.w4a16_layout import from_kernel_layout
@@ -63,21 +64,6 @@ def _pick_split_k(programs: int, k: int, block_k: int, sms: int, waves: float = 
     while programs * split < target and split * 2 <= k_blocks and split < 16:
         split *= 2
     return split
-
-
-# Tile counters of the in-kernel split-K reduction, per (device, stream): the last CTA of a tile
-# resets its counter, so they stay zero between launches (one buffer per stream). Allocate
-# them (run once) before capturing a CUDA graph.
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    buf = _COUNTERS.get((device, stream))
-    if buf is None or buf.numel() < tiles:
-        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[(device, stream)] = buf
-    return buf
 
 
 def split_plan(k: int, chunk: int, split: int) -> tuple[int, int]:
@@ -191,7 +177,7 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if split > 1:
         part = torch.empty(split * num_tiles * block_m * block_n, dtype=torch.float32,
                            device=x.device)
-        counters = _tile_counters(x.device, num_tiles)
+        counters = tile_counters(x.device, num_tiles)
     else:
         part, counters = out, ws2  # pointer arguments the kernel reads only when SPLIT > 1
     w3 = weight if weight.dim() == 3 else weight.unsqueeze(0)

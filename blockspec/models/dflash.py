@@ -202,10 +202,16 @@ class DraftDecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), positions, ctx_k, ctx_v, allowed, impl)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def forward_paged(self, h: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
-        h = h + self.self_attn.forward_paged(self.input_layernorm(h), meta, self.layer_idx,
-                                             self.causal, self.window)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward_paged(self, h: torch.Tensor, pending: torch.Tensor | None, meta: ForwardMetadata
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with its residual adds inside its norms (one launch each on the GPU):
+        ``pending``, the layer before's MLP output (None for the first), joins ``h`` in the
+        input norm; returns (h, this MLP's output, which the next norm adds)."""
+        h, x = (self.input_layernorm.add_forward(h, pending) if pending is not None
+                else (h, self.input_layernorm(h)))
+        attn = self.self_attn.forward_paged(x, meta, self.layer_idx, self.causal, self.window)
+        h, x = self.post_attention_layernorm.add_forward(h, attn)
+        return h, self.mlp(x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,10 +424,10 @@ class DFlashDraftModel(nn.Module):
         ``meta``) over the paged draft context pool ``meta.kv``, through ``meta.attn``; the
         same math as ``forward_block``. Returns the hidden after the final norm, [N, H]."""
         meta.attn.prepare(meta)
-        h = x
+        h, pending = x, None
         for layer in self.layers:
-            h = layer.forward_paged(h, meta)
-        return self.norm(h)
+            h, pending = layer.forward_paged(h, pending, meta)
+        return self.norm(h) if pending is None else self.norm.add_forward(h, pending)[1]
 
     def write_context(self, features: torch.Tensor, positions: torch.Tensor,
                       slots: torch.Tensor, pool: Any) -> None:

@@ -74,14 +74,12 @@ class PhasedSteps:
         r = self.runner
         if batch is not None:
             bs, key = batch.size, batch.sampling_key()
-            r.reserve_buffers(batch)
+            self.prepare(batch, plan, kind)
         else:
             bs, key = prev.bs, prev.key     # plan / kind / width: the caller's (may change)
         padded = r.graphs.padded_size(bs) if r.graphs is not None and plan.graphs else None
         if batch is not None:
-            if padded is not None:
-                self._ensure(kind, key, padded, plan)
-            else:
+            if padded is None:
                 r.host_max_seq_len = max(batch.prefix_lens) + width
             r.inputs.fill(batch, padded or bs, masks=False)
         elif padded is None:      # an upper bound: every length grew by at most ``width``
@@ -95,6 +93,18 @@ class PhasedSteps:
                 pending.drafts, pending.event = self._drafts_to_host(plan.drafts_of(out)[:bs])
         pending.out = out
         return pending
+
+    @torch.inference_mode()
+    def prepare(self, batch: StepBatch, plan: Plan, kind: str) -> None:
+        """``batch``'s buffers, and ``plan``'s phase graphs at its padded size when it replays
+        them: ``begin`` does this for its own plan; a caller whose steps launched ahead may
+        change plan (the speculative widths) calls it for each first."""
+        r = self.runner
+        r.reserve_buffers(batch)
+        if r.graphs is not None and plan.graphs:
+            padded = r.graphs.padded_size(batch.size)
+            if padded is not None:
+                self._ensure(kind, batch.sampling_key(), padded, plan)
 
     @torch.inference_mode()
     def complete(self, pending: Pending, grammars: list[Matcher | None]) -> Launched:

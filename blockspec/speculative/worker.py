@@ -161,6 +161,9 @@ class SpecWorker:
         masks follow the drafts through each request's grammar on the host, one bitmask row
         per verify position, so a draft the grammar forbids is rejected and the bonus obeys
         the grammar."""
+        if batch is not None:     # every width's phases: a step launched ahead may change it
+            for v in self.widths:
+                self.runner.phased.prepare(batch, self._plans[v], f"spec{v}")
         w = self.chooser.choose(batch.size if batch is not None else prev.bs)
         return self.runner.phased.begin(batch, self._plans[w], f"spec{w}", w, prev)
 
