@@ -66,7 +66,7 @@ class SpecWorker:
         self.widths = candidate_widths(self.width, adaptive)
         self.cost = CostTable()
         self.chooser = WidthChooser(self.widths, self.cost)
-        # a fixed width has nothing to choose: its steps skip the EWMA (some 25 small kernels
+        # a fixed width has nothing to choose: its steps skip the EWMA (28 small kernels
         # a step) and report zeros in its columns
         self.ewma = (AcceptanceEWMA(self.memory.dummy_slot + 1, self.gamma, self.memory.device)
                      if len(self.widths) > 1 else None)
