@@ -1,8 +1,9 @@
 """Kernels compile for sm_90 without a GPU (Triton's own ptxas): the interpreter runs the
 kernels' Python, not the compiler, so a construct it accepts could still fail to compile on the
 GPU. The paged attention kernel in both prefill variants (masked and unmasked full blocks) at
-the tile shapes ``scripts/tune_attention_prefill.py`` sweeps; the acceptance EWMA update at
-batch blocks from 1 to 256 rows; silu(gate) * up in bf16."""
+the tile shapes ``scripts/tune_attention_prefill.py`` sweeps; a speculative step's commit
+(tokens, output columns, EWMA, inputs' advance) at batch blocks from 1 to 256 rows;
+silu(gate) * up in bf16."""
 from __future__ import annotations
 
 import os
@@ -49,13 +50,17 @@ for full in (False, True):
 print("compiled")
 '''
 
-EWMA = r'''
-from blockspec.kernels import acceptance_ewma as ae
-k = load_kernels(ae._KERNELS)._ewma_update_kernel
-ptrs = dict(TABLE="*fp32", ENGINE="*fp32", SLOT="*i64", CTR="*i64", ACC="*i64", OUT="*fp64",
-            alpha="fp32", engine_alpha="fp32")
-for bb, bp, warps in ((1, 8, 4), (64, 16, 4), (256, 16, 8)):
-    sm90(k, ptrs, dict(BLOCK_B=bb, BLOCK_P=bp), num_warps=warps)
+SPEC_COMMIT = r'''
+from blockspec.kernels import spec_commit as sc
+k = load_kernels(sc._KERNELS)._spec_commit_kernel
+i64 = "*i64"
+ptrs = dict(ACC=i64, BONUS=i64, DRAFTS=i64, SLOT=i64, CTR=i64, TOKEN=i64, PREFIX=i64, SCTR=i64,
+            TABLE="*fp32", ENGINE="*fp32", OUT="*fp64", TOKS=i64, alpha="fp32",
+            engine_alpha="fp32")
+for bb, t, g, ewma, warps in ((1, 1, 7, True, 4), (1, 8, 7, False, 4), (64, 5, 4, True, 4),
+                              (256, 8, 7, True, 8)):
+    sm90(k, ptrs, dict(T=t, G=g, HAS_EWMA=ewma, BLOCK_B=bb, BLOCK_T=8, BLOCK_G=8),
+         num_warps=warps)
 print("compiled")
 '''
 
@@ -81,8 +86,8 @@ def test_paged_attention_compiles_for_sm90():
 
 
 @needs_ptxas
-def test_acceptance_ewma_compiles_for_sm90():
-    _compiles(EWMA)
+def test_spec_commit_compiles_for_sm90():
+    _compiles(SPEC_COMMIT)
 
 
 @needs_ptxas

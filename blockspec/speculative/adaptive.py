@@ -36,8 +36,6 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from blockspec.kernels.acceptance_ewma import ewma_update_fused
-from blockspec.kernels.triton_loader import use_triton
 
 # graphs captured per batch size and sampling mode when adaptive (the memory / start-up budget)
 WIDTH_BUDGET = 8
@@ -99,16 +97,8 @@ class AcceptanceEWMA:
         """Fold one step (``accepted`` drafts of ``width - 1`` verified) into the rows of
         ``slot`` and into the engine row; a request's first step (``verify_ctr`` 0) starts
         from the engine row. Returns what the step reports, [B, 2P] fp64: the rows' new values,
-        then the new engine row in every row. One launch on CUDA
-        (``kernels/acceptance_ewma.py``), ``update_reference`` elsewhere."""
-        if use_triton(self.table):
-            return ewma_update_fused(self.table, self.engine, slot, verify_ctr, accepted, width,
-                                     self.dummy, self.alpha, self.engine_alpha)
-        return self.update_reference(slot, verify_ctr, accepted, width)
-
-    def update_reference(self, slot: torch.Tensor, verify_ctr: torch.Tensor,
-                         accepted: torch.Tensor, width: int) -> torch.Tensor:
-        """``update`` in torch ops."""
+        then the new engine row in every row. (A speculative step on CUDA runs this inside
+        ``kernels/spec_commit.py``'s launch.)"""
         prev = torch.where(verify_ctr[:, None] == 0, self.engine[None], self.table[slot])
         j, a = self._pos[None], accepted[:, None]
         tested = (j <= a) & (j < width - 1)     # nothing at width 1: only new rows change
