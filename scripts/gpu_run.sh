@@ -27,7 +27,7 @@
 #              bench_w4a16_cuda.py against the Triton kernels, whose tile table
 #              (w4a16_cuda_tiles.json) the later stages of the call use (about 6 minutes)
 #   nexttests  the GPU tests of the kernels not yet run on a GPU (CUDA W4A16, Mamba step,
-#              acceptance EWMA, silu * up) and the adaptive engine's (about 5 minutes)
+#              speculative commit, silu * up) and the adaptive engine's (about 5 minutes)
 #   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 (published
 #              profile), DSpark, and the DFlash width-7 step's profile
 set -uo pipefail
@@ -186,7 +186,7 @@ w4a16cuda)
   ;;
 nexttests)
   timeout 540 python3 -m pytest -m gpu tests/test_pair_w4a16.py tests/test_kernels.py \
-      tests/test_acceptance_ewma_kernel.py tests/test_silu_mul_kernel.py \
+      tests/test_spec_commit_kernel.py tests/test_silu_mul_kernel.py \
       tests/test_gpu_adaptive.py -q -p no:cacheprovider \
       -o addopts="" -rf 2>&1 | tail -40 > "$OUT/gpu_tests_next.log"; tail -8 "$OUT/gpu_tests_next.log"
   ;;
