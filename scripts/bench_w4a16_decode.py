@@ -427,8 +427,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _reset_counters() -> None:
     """Zero the split-K tile counters: a failed launch must not corrupt the next point."""
-    for buf in tile_counters._COUNTERS.values():
-        buf.zero_()
+    tile_counters.zero_all()
 
 
 def measure_point(built: Built, cfg: dict, timer: Callable, calls: int, reps: int) -> dict:

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 pytest.importorskip("xgrammar")
 
 from blockspec import Engine  # noqa: E402
+from blockspec.runtime.graph_runner import GraphRunner  # noqa: E402
 from blockspec.runtime.metadata import StepInputs  # noqa: E402
 from tests.spec_fixtures import (draft_config, make_spec_target,  # noqa: E402
                                  write_char_tokenizer, write_draft)
@@ -73,23 +74,17 @@ class OutsideReads(TorchDispatchMode):
         return out
 
 
-class StandInGraphs:
-    """``GraphRunner``'s interface: capture = two warm-up runs and one recorded run (its output
-    kept, as a graph keeps its static output); replay = the step or phase run eagerly, of a
-    key captured before (a step launched ahead at another width needs that width's graph),
-    which must run the captured ops."""
+class StandInGraphs(GraphRunner):
+    """``GraphRunner`` with capture = two warm-up runs and one recorded run (its output kept,
+    as a graph keeps its static output) and replay = the step or phase run eagerly, of a key
+    captured before (a step launched ahead at another width needs that width's graph), which
+    must run the captured ops. Sizes, lookups and static outputs are the runner's own."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine, self.sizes, self.max_bs = engine, SIZES, max(SIZES)
-        self.captured: dict = {}
+        super().__init__(torch.device("cpu"), max(SIZES), SIZES)
+        self.engine = engine
         self.diverged: set = set()
         self._last: dict = {}
-
-    def padded_size(self, bs: int) -> int | None:
-        return next((s for s in self.sizes if s >= bs), None)
-
-    def has(self, key) -> bool:
-        return key in self.captured
 
     def capture(self, key, fn) -> None:
         fn()
@@ -97,10 +92,7 @@ class StandInGraphs:
         rec = OutsideReads()
         with rec:
             out = fn()
-        self.captured[key] = (rec, out)
-
-    def output(self, key):
-        return self.captured[key][1]
+        self._graphs[key] = (rec, out)      # the recorder stands where the graph would
 
     def _plan(self, kind: str) -> tuple:
         e = self.engine
@@ -109,10 +101,11 @@ class StandInGraphs:
     def replay(self, key):
         """The step run eagerly under a fresh recorder; a different op sequence (shapes,
         scalar arguments) than the capture's is what a graph would not have replayed."""
+        captured = self._graphs[key][0]          # KeyError, as the runner: never captured
         rec = OutsideReads()
         with rec:
             out = self._run(key)
-        if rec.ops != self.captured[key][0].ops:
+        if rec.ops != captured.ops:
             self.diverged.add(key)
         return out
 
@@ -129,7 +122,7 @@ class StandInGraphs:
         return out
 
     def dead(self) -> list[tuple]:
-        return [(key, what) for key, (rec, _) in self.captured.items()
+        return [(key, what) for key, (rec, _) in self._graphs.items()
                 for what in rec.lost + [w for ref, w in rec.outside.values() if ref.expired()]]
 
 
@@ -171,7 +164,7 @@ def _serve(folders) -> StandInGraphs:
 
 def test_captured_steps_never_touch_freed_storage(folders):
     graphs = _serve(folders)
-    kinds = {len(k) for k in graphs.captured}
+    kinds = {len(k) for k in graphs._graphs}
     assert kinds == {3, 4}, kinds                       # whole steps and phases were captured
     assert graphs.dead() == []
     assert not graphs.diverged, sorted(graphs.diverged)[:5]

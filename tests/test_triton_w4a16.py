@@ -390,3 +390,7 @@ def test_outgrown_tile_counters_stay_alive(monkeypatch):
     del small
     assert not old.expired()
     assert tile_counters_mod.tile_counters(dev, 5) is big   # the newest serves smaller ones
+    big.fill_(3)
+    tile_counters_mod._OUTGROWN[0].fill_(3)
+    tile_counters_mod.zero_all()                       # the outgrown buffer is reset too
+    assert not big.any() and not tile_counters_mod._OUTGROWN[0].any()

@@ -22,3 +22,10 @@ def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
         buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
         _COUNTERS[(device, stream)] = buf
     return buf
+
+
+def zero_all() -> None:
+    """Zero every buffer, the outgrown ones too (graphs still count into them): after a
+    launch that failed midway, a counter may have been left raised."""
+    for buf in (*_COUNTERS.values(), *_OUTGROWN):
+        buf.zero_()
