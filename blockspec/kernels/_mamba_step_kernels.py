@@ -16,23 +16,14 @@ def _conv_step(w0, w1, w2, w3, bias, v0, v1, v2, new):
 
 
 @triton.jit
-def _row(bits, pick):
-    """Row ``pick`` ([T_PAD] bool, one true) of an int32 [T_PAD, C] tile as fp32 [C], bit for
-    bit (the integer sum of that row and zeros)."""
-    one = tl.reduce(tl.where(pick[:, None], bits, 0), 0, tl.standard._sum_combine)
-    return one.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _mamba_steps_kernel(
         ZXBCDT, CONV_W, CONV_B, DT_BIAS, A_LOG, D_SKIP, CONV_STATE, SSM_STATE, SLOTS, Y,
         STEP_SCRATCH, XBC_SCRATCH,
         s_xr, s_dr, s_cs, s_ss, s_sss, s_sst, s_xss, s_xst, s_y,
         dt_lo, dt_hi,
-        T: tl.constexpr, T_PAD: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
-        N: tl.constexpr, G: tl.constexpr, DINNER: tl.constexpr, CONV: tl.constexpr,
-        BLOCK_P: tl.constexpr, COMMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-        CLAMP: tl.constexpr):
+        T: tl.constexpr, H: tl.constexpr, P: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+        DINNER: tl.constexpr, CONV: tl.constexpr, BLOCK_P: tl.constexpr, COMMIT: tl.constexpr,
+        HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr):
     """Program (request b, head h, block of BLOCK_P head channels): T recurrent steps from the
     committed state of slot SLOTS[b].
 
@@ -98,41 +89,26 @@ def _mamba_steps_kernel(
     vc1 = tl.load(cs + cch * 3 + 1).to(tl.float32)
     vc2 = tl.load(cs + cch * 3 + 2).to(tl.float32)
 
-    # Every step's inputs first, as [T_PAD, .] tiles: none depends on the state, so their
-    # loads are in flight together; inside the recurrence a step reads its row out of the
-    # tiles (bit for bit: an integer sum of one row and zeros), with no load to wait on.
-    tt = tl.arange(0, T_PAD)
-    tin = tt < T
-    rows = (b * T + tt).to(tl.int64)
-    x_all = tl.load(XBC + rows[:, None] * s_xr + xch[None, :], mask=tin[:, None], other=0.0)
-    b_all = tl.load(XBC + rows[:, None] * s_xr + bch[None, :], mask=tin[:, None], other=0.0)
-    c_all = tl.load(XBC + rows[:, None] * s_xr + cch[None, :], mask=tin[:, None], other=0.0)
-    raw_all = tl.load(DT + rows * s_dr + h, mask=tin, other=0.0).to(tl.float32)
-    if not COMMIT:                                   # verify: keep the pre-conv inputs
-        xs = XBC_SCRATCH + slot * s_xss + tt[:, None] * s_xst
-        tl.store(xs + xch[None, :], x_all, mask=tin[:, None])
-        tl.store(xs + bch[None, :], b_all, mask=tin[:, None] & leader)
-        tl.store(xs + cch[None, :], c_all, mask=tin[:, None] & leader)
-    x_bits = x_all.to(tl.float32).to(tl.int32, bitcast=True)
-    b_bits = b_all.to(tl.float32).to(tl.int32, bitcast=True)
-    c_bits = c_all.to(tl.float32).to(tl.int32, bitcast=True)
-    raw_bits = raw_all.to(tl.int32, bitcast=True)
-
     sptr = SSM_STATE + slot * s_ss + (h * P + p)[:, None] * N + n[None, :]
     state = tl.load(sptr)
     for t in tl.static_range(T):
         row = (b * T + t).to(tl.int64)
-        xf = _row(x_bits, tt == t)
-        bf = _row(b_bits, tt == t)
-        cf = _row(c_bits, tt == t)
+        xin = tl.load(XBC + row * s_xr + xch)
+        bin_ = tl.load(XBC + row * s_xr + bch)
+        cin = tl.load(XBC + row * s_xr + cch)
+        if not COMMIT:                               # verify: keep the pre-conv inputs
+            xs = XBC_SCRATCH + slot * s_xss + t * s_xst
+            tl.store(xs + xch, xin)
+            tl.store(xs + bch, bin_, mask=(n < N) & leader)
+            tl.store(xs + cch, cin, mask=(n < N) & leader)
+        xf, bf, cf = xin.to(tl.float32), bin_.to(tl.float32), cin.to(tl.float32)
         x = _conv_step(wx0, wx1, wx2, wx3, bx, vx0, vx1, vx2, xf)
         bv = _conv_step(wb0, wb1, wb2, wb3, bb, vb0, vb1, vb2, bf)
         cv = _conv_step(wc0, wc1, wc2, wc3, bc, vc0, vc1, vc2, cf)
         vx0, vx1, vx2 = vx1, vx2, xf
         vb0, vb1, vb2 = vb1, vb2, bf
         vc0, vc1, vc2 = vc1, vc2, cf
-        raw = tl.reduce(tl.where(tt == t, raw_bits, 0), 0, tl.standard._sum_combine)
-        raw = raw.to(tl.float32, bitcast=True) + dtb
+        raw = tl.load(DT + (b * T + t).to(tl.int64) * s_dr + h).to(tl.float32) + dtb
         dt = tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(raw)))
         if CLAMP:
             dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)

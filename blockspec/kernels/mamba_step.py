@@ -71,8 +71,7 @@ def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: t
         zxbcdt.stride(0), zxbcdt.stride(0), conv_state.stride(0), ssm_state.stride(0),
         ssm_s.stride(0), ssm_s.stride(1), xbc_s.stride(0), xbc_s.stride(1), y.stride(0),
         float(lo), float(min(hi, 3.0e38)),
-        T=steps, T_PAD=next_pow2(steps), H=heads, P=head_dim, N=state_size, G=groups,
-        DINNER=d_inner, CONV=conv_dim,
+        T=steps, H=heads, P=head_dim, N=state_size, G=groups, DINNER=d_inner, CONV=conv_dim,
         BLOCK_P=block_p,
         COMMIT=commit, HAS_BIAS=conv_bias is not None, CLAMP=clamp, **extra)
     if commit:
