@@ -9,6 +9,8 @@
 #   fullspec   full preset, own AR vs DFlash w6 tau 4.2 vs DSpark gamma 3 tau 3.7, batch 1,4,16,64
 #   fullspecq  fullspec in the Lightning quantization (W4A16 experts / shared / lm_head, FP8 Mamba)
 #   fullprof   full preset step profiles by phase and layer kind (AR bf16 / quantized, DFlash)
+#   mamba      the Mamba step kernels' GPU tests (tests/test_kernels.py) and the quantized
+#              full preset's AR and DFlash width-7 step profiles (the _mamba_steps_kernel rows)
 #   longctx    full preset, batch 1 decode after a 1k and a 16k prompt
 #   prefill    full preset TTFT vs the compute floor, 1k-128k prompts, quantized and bf16;
 #              the quantized 16k prefill's breakdown by layer kind (table: prefill_breakdown.txt)
@@ -21,6 +23,13 @@
 #   tau15      the tau-1.5 rows alone (batch 1 and 4, 256 tokens x 3): AR, widths 1-2, adaptive
 #   itl        streams' inter-token latency while a 32k prompt prefills (chunks 64, 128)
 #   prefixc    prefix cache: multi-turn batch 1 and 16 to 32k; agentic with DFlash
+#   w4a16cuda  the W4A16 CUDA kernel (MoE pairs, dense up to 16 rows): its GPU tests and
+#              bench_w4a16_cuda.py against the Triton kernels, whose tile table
+#              (w4a16_cuda_tiles.json) the later stages of the call use (about 6 minutes)
+#   nexttests  the GPU tests of the kernels not yet run on a GPU (CUDA W4A16, Mamba step,
+#              speculative commit, silu * up) and the adaptive engine's (about 5 minutes)
+#   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 (published
+#              profile), DSpark, and the DFlash width-7 step's profile
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -92,6 +101,15 @@ fullprof)
   $P --draft dflash --width 6 --out "$OUT/profile_full_dflash.txt" 2>>"$OUT/stderr.log"
   grep -h "preset\|graph replay\|eager step" "$OUT"/profile_full_*.txt
   ;;
+mamba)
+  timeout 150 python3 -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider \
+      -o addopts="" -rf 2>&1 | tail -20 > "$OUT/gpu_tests_mamba.log"; tail -3 "$OUT/gpu_tests_mamba.log"
+  P="timeout 90 python3 scripts/profile_step.py --preset nemotron-3.5-lightning --quantized"
+  $P --out "$OUT/profile_ar_b1.txt" 2>>"$OUT/stderr.log"
+  $P --draft dflash-nemotron35 --width 8 --step-width 7 --simulate-accept-length 4.41 \
+      --out "$OUT/profile_w7_b1.txt" 2>>"$OUT/stderr.log"
+  grep -h "graph replay\|_mamba_steps_kernel" "$OUT"/profile_ar_b1.txt "$OUT"/profile_w7_b1.txt
+  ;;
 longctx)
   L="$B --preset nemotron-3.5-lightning --batch-size 1 --output-len 128 --repeats 2"
   timeout 120 $L --input-len 1024 2>>"$OUT/stderr.log"
@@ -155,6 +173,37 @@ prefixc)
       --num-requests 16 --concurrency 1 --random-draft dflash-nemotron35 \
       --speculative-num-draft-tokens 6 --simulate-accept-profile dflash-published \
       2>>"$OUT/stderr.log" >/dev/null
+  ;;
+w4a16cuda)
+  timeout 120 python3 -m pytest -m gpu tests/test_pair_w4a16.py \
+      -q -p no:cacheprovider -o addopts="" -rf 2>&1 | tail -30 > "$OUT/gpu_tests_w4a16cuda.log"
+  tail -3 "$OUT/gpu_tests_w4a16cuda.log"
+  timeout 240 python3 scripts/bench_w4a16_cuda.py --write-table "$OUT/w4a16_cuda_tiles.json" \
+      > "$OUT/bench_w4a16cuda.jsonl" 2> "$OUT/bench_w4a16cuda_summary.txt"
+  cat "$OUT/bench_w4a16cuda_summary.txt"
+  # later stages of this call dispatch by the fresh table (commit it from $OUT to keep it)
+  cp "$OUT/w4a16_cuda_tiles.json" blockspec/kernels/ 2>/dev/null
+  ;;
+nexttests)
+  timeout 540 python3 -m pytest -m gpu tests/test_pair_w4a16.py tests/test_kernels.py \
+      tests/test_spec_commit_kernel.py tests/test_silu_mul_kernel.py \
+      tests/test_gpu_adaptive.py -q -p no:cacheprovider \
+      -o addopts="" -rf 2>&1 | tail -40 > "$OUT/gpu_tests_next.log"; tail -8 "$OUT/gpu_tests_next.log"
+  ;;
+batch1)
+  L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
+     --output-len 256 --repeats 3 --batch-size 1"
+  timeout 100 $L --out "$OUT/ar_b1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  timeout 150 $L --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
+      --speculative-adaptive --fixed-widths 6,7,8 --simulate-accept-profile dflash-published \
+      --out "$OUT/dflash_b1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  timeout 100 $L --random-draft dspark-nemotron35 --speculative-num-draft-tokens 4 \
+      --simulate-accept-profile dspark-published --out "$OUT/dspark_b1.jsonl" \
+      2>>"$OUT/stderr.log" >/dev/null
+  python3 scripts/adaptive_table.py "$OUT/ar_b1.jsonl" "$OUT/dflash_b1.jsonl"
+  timeout 90 python3 scripts/profile_step.py --preset nemotron-3.5-lightning --quantized \
+      --draft dflash-nemotron35 --width 8 --step-width 7 --simulate-accept-length 4.41 \
+      --out "$OUT/profile_w7_b1.txt" 2>>"$OUT/stderr.log"
   ;;
 esac
 done

@@ -66,8 +66,8 @@ def simulate(profile: list[float], batch: int, cost_ms: list[float], steps: int,
             while a < w - 1 and rng.random() < p[a]:
                 a += 1
             acc.append(a)
-        rows = ewma.update(slots, ctr, torch.tensor(acc), w)
-        return acc, rows.tolist(), ewma.engine.tolist()
+        cols = ewma.update(slots, ctr, torch.tensor(acc), w)
+        return acc, cols[:, :W - 1].tolist(), ewma.engine.tolist()
 
     for t in range(steps + (steps // 2 if warm_width else 0)):
         warm = warm_width is not None and t < steps // 2

@@ -133,22 +133,25 @@ def test_ewma_update():
     slot, first = torch.tensor([0, 1]), torch.tensor([0, 0])
     # width 4 (3 drafts verified): row 0 accepted 1 -> pos 0 hit, pos 1 missed, pos 2-3 unseen;
     # row 1 accepted 3 -> pos 0-2 hit, pos 3 (never verified at width 4) unseen
-    new = e.update(slot, first, torch.tensor([1, 3]), width=4)
+    cols = e.update(slot, first, torch.tensor([1, 3]), width=4)
+    assert cols.dtype == torch.float64 and cols.shape == (2, 8)
+    new = cols[:, :4]
+    assert cols[:, 4:].tolist() == [pytest.approx([0.9, 0.65, 0.9, 0.8])] * 2  # the engine row
     assert new[0].tolist() == pytest.approx([0.9, 0.4, 0.8, 0.8])
     assert new[1].tolist() == pytest.approx([0.9, 0.9, 0.9, 0.8])
     assert e.table[0].tolist() == pytest.approx([0.9, 0.4, 0.8, 0.8])
     # the engine row moves halfway to the batch's rates: pos 0 2/2, pos 1 1/2, pos 2 1/1
     assert e.engine.tolist() == pytest.approx([0.9, 0.65, 0.9, 0.8])
     # width 1 (nothing verified): nothing changes, the engine row neither
-    low = e.update(slot[1:], torch.tensor([1]), torch.tensor([0]), width=1)
+    low = e.update(slot[1:], torch.tensor([1]), torch.tensor([0]), width=1)[:, :4]
     assert low[0].tolist() == pytest.approx([0.9, 0.9, 0.9, 0.8])
     assert e.engine.tolist() == pytest.approx([0.9, 0.65, 0.9, 0.8])
     # a later step of row 0 starts from its row; width 2 verifies only position 0
-    again = e.update(slot[:1], torch.tensor([5]), torch.tensor([0]), width=2)
+    again = e.update(slot[:1], torch.tensor([5]), torch.tensor([0]), width=2)[:, :4]
     assert again[0].tolist() == pytest.approx([0.45, 0.4, 0.8, 0.8])
     assert e.engine.tolist() == pytest.approx([0.45, 0.65, 0.9, 0.8])
     # a new request in a used slot (verify counter 0) starts from the engine row, at width 1 too
-    fresh = e.update(slot[:1], torch.tensor([0]), torch.tensor([0]), width=1)
+    fresh = e.update(slot[:1], torch.tensor([0]), torch.tensor([0]), width=1)[:, :4]
     assert fresh[0].tolist() == pytest.approx([0.45, 0.65, 0.9, 0.8])
     # the dummy slot (padding rows, the last one) never moves the engine row
     e.update(torch.tensor([2, 2]), torch.tensor([3, 3]), torch.tensor([0, 0]), width=4)

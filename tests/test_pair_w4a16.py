@@ -2,13 +2,21 @@
 per-pair torch reference.
 
 CPU: the Triton interpreter (exact fp32 decode, so indexing, dedup leaders, splits and the
-relu^2 epilogue are what is checked). GPU (``-m gpu``): the compiled kernel at Lightning's
-expert shapes, verify-sized token counts, random and shared routing, inside a CUDA graph.
+relu^2 epilogue are what is checked). GPU (``-m gpu``): the compiled kernels at Lightning's
+expert shapes, verify-sized token counts, random and shared routing, inside a CUDA graph; the
+CUDA kernel (``w4a16_cuda``, up to 16 tokens) at each tile shape, on odd shapes and ids.
 """
+import ctypes
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from blockspec.kernels import w4a16 as tw
+from blockspec.kernels import w4a16_cuda as tc
 from blockspec.kernels.triton_loader import triton_available
 from blockspec.quant.nvfp4 import quantize_nvfp4
 from blockspec.kernels.w4a16_layout import to_kernel_layout
@@ -20,6 +28,15 @@ gpu = pytest.mark.gpu
 
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def _script(name):
+    """A module of scripts/ (they are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _experts(e, n, k, seed, device="cpu"):
@@ -175,3 +192,174 @@ def test_dense_relu2_epilogue_gpu(m):
     x = torch.randn(m, 2688, device="cuda", dtype=torch.bfloat16)
     ref = torch.square(torch.relu(tw.w4a16_linear(x, w, s, s2)))
     assert torch.equal(tw.w4a16_linear(x, w, s, s2, relu2=True), ref)  # same kernel, + epilogue
+
+
+def test_tile_table_picks_tiles_and_hands_calls_back_to_triton(tmp_path, monkeypatch):
+    """The bench's table: a shape's best tile, the next measured token count up (the largest
+    past them), FALLBACK_TILE for shapes it lacks, and no CUDA where Triton measured faster."""
+    bench = _script("bench_w4a16_cuda")
+    picks = [dict(mode="pairs", n=1856, k=2688, tokens=t, best=b, best_us=u, triton_us=9.0)
+             for t, b, u in ((1, "cuda 2x4x2", 5.0), (7, "cuda 1x8x1", 8.0), (4, "cuda 2x4x1", 6.0))]
+    picks.append(dict(mode="dense", n=2688, k=4096, tokens=8, best="cuda 1x16x1", best_us=7.0,
+                      triton_us=6.5))
+    table = tmp_path / "tiles.json"
+    table.write_text(json.dumps({"entries": bench.table_entries(picks)}))
+    monkeypatch.setattr(tc, "TILES", table)
+    tc.tile_table.cache_clear()
+    try:
+        assert [tc.default_tile("pairs", t, 1856, 2688) for t in (1, 2, 4, 5, 7, 16)] == [
+            (2, 4, 2), (2, 4, 1), (2, 4, 1), (1, 8, 1), (1, 8, 1), (1, 8, 1)]
+        assert tc.default_tile("pairs", 1, 2688, 1856) == tc.FALLBACK_TILE    # not measured
+        assert tc.measured_tile("dense", 8, 2688, 4096) == "triton"           # Triton faster
+        cuda_x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+        w = torch.zeros(2688, 2048, dtype=torch.uint8)
+        assert not tc.cuda_ok(cuda_x, w, 8, "dense")
+        assert tc.cuda_ok(cuda_x, w, 8, "pairs")            # the same shape in the other mode
+        assert tc.cuda_ok(cuda_x, torch.zeros(4, 1856, 1344, dtype=torch.uint8), 3, "pairs")
+    finally:
+        tc.tile_table.cache_clear()
+
+
+def test_cuda_pairs_only_for_cuda_tensors():
+    w, s, s2 = _experts(2, 16, 64, seed=0)
+    assert not tc.cuda_ok(torch.zeros(2, 64), w, 2, "pairs")
+    with pytest.raises(ValueError, match="x must be bf16, got torch.float16"):
+        tc.plan_dense(torch.zeros(2, 64, dtype=torch.float16), w[0], s[0], s2[0].reshape(1),
+                      relu2=False)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m_tiles, k_warps, prefetch",
+                         [(1, 4, 1), (2, 4, 1), (2, 8, 1), (2, 4, 2), (1, 16, 2)])
+@pytest.mark.parametrize("n, k", [(200, 320), (1856, 2688)])
+@pytest.mark.parametrize("tokens", [1, 5, 8, 9, 16])
+def test_cuda_pair_kernel_tiles_gpu(m_tiles, k_warps, prefetch, n, k, tokens):
+    """Every tile shape against the reference: N not a multiple of the tile, K an odd number
+    of 64-wide units, int32 ids, one or two MMA tiles of tokens, shared slices riding."""
+    e, topk, shared = 24, 4, 2
+    w, s, s2 = _experts(e, n, k, seed=n + tokens, device="cuda")
+    ws2 = s2.reshape(e).float()
+    ids = _ids(tokens, topk, e - shared, seed=tokens, device="cuda", shared=1).int()
+    rows = tokens * (topk + shared)
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    xp = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    kw = dict(distinct=True, shared_parts=shared, rows=rows, m_tiles=m_tiles, k_warps=k_warps,
+              prefetch=prefetch)
+    up = tc.pair_w4a16_cuda(x, ids, w, s, ws2, x_per_pair=False, relu2=True, **kw)
+    dn = tc.pair_w4a16_cuda(xp, ids, w, s, ws2, x_per_pair=True, relu2=False, **kw)
+    ref_up = tw.pair_w4a16_reference(x, ids, w, s, s2, relu2=True, shared_parts=shared)
+    ref_dn = tw.pair_w4a16_reference(xp, ids, w, s, s2, x_per_pair=True, shared_parts=shared)
+    assert up.shape == ref_up.shape and _rel(up, ref_up) <= 1e-2
+    assert bool((up >= 0).all())
+    assert dn.shape == ref_dn.shape and _rel(dn, ref_dn) <= 1e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n, k, rows", [(6144, 2688, 8), (2688, 4096, 7), (16384, 2688, 1),
+                                        (200, 320, 16)])
+def test_cuda_dense_mode_gpu(n, k, rows):
+    """``w4a16_linear`` of up to 16 rows on CUDA is the CUDA kernel's dense mode: the draft's
+    fused projections (a global scale per output row), a head-like wide N, odd shapes."""
+    w, s, s2 = (t[0] for t in _experts(1, n, k, seed=n + rows, device="cuda"))
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    per_row = torch.rand(n, device="cuda") * 1e-2 + 1e-3
+    for ws2 in (s2, per_row):
+        y = tw.w4a16_linear(x, w, s, ws2)
+        assert _rel(y, tw.w4a16_linear_reference(x, w, s, ws2)) <= 1e-2
+    # the tile keywords' Triton kernel agrees with it
+    assert _rel(tw.w4a16_linear(x, w, s, s2, variant="v2"), tw.w4a16_linear(x, w, s, s2)) <= 1e-2
+
+
+@gpu
+@needs_cuda
+def test_cuda_pair_kernel_repeated_ids_and_graph_gpu():
+    """Non-top-k ids (an expert twice in a token) keep every pair's row; in a CUDA graph the
+    leaders follow ids written between replays."""
+    e, n, k = 6, 96, 256
+    w, s, s2 = _experts(e, n, k, seed=2, device="cuda")
+    ids = torch.tensor([[2, 2, 1], [1, 2, 0], [5, 5, 5]], device="cuda")
+    xp = torch.randn(9, k, device="cuda", dtype=torch.bfloat16)
+    y = tw.pair_w4a16(xp, ids, w, s, s2, x_per_pair=True, dedup=True)
+    assert _rel(y, tw.pair_w4a16_reference(xp, ids, w, s, s2, x_per_pair=True)) <= 1e-2
+    static = _ids(7, 4, e, seed=1, device="cuda")
+    x = torch.randn(7, k, device="cuda", dtype=torch.bfloat16)
+    tw.pair_w4a16(x, static, w, s, s2, dedup=True, distinct=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tw.pair_w4a16(x, static, w, s, s2, dedup=True, distinct=True)
+    for seed in (3, 4):
+        static.copy_(_ids(7, 4, e, seed=seed, device="cuda"))
+        graph.replay()
+        assert _rel(out, tw.pair_w4a16_reference(x, static, w, s, s2)) <= 1e-2
+
+
+def test_nvrtc_found_in_the_pip_wheels(tmp_path):
+    """Where torch's loader finds no NVRTC, the newest versioned one of the wheels is used."""
+    assert tc.wheel_nvrtc([tmp_path]) is None
+    for pkg, name in [("cu12", "libnvrtc.so.12"), ("cu13", "libnvrtc.so.13"),
+                      ("cu13", "libnvrtc-builtins.so.13.0"), ("cuda_nvrtc", "libnvrtc.so.9")]:
+        (tmp_path / pkg / "lib").mkdir(parents=True, exist_ok=True)
+        (tmp_path / pkg / "lib" / name).write_bytes(b"")
+    assert tc.wheel_nvrtc([tmp_path]) == tmp_path / "cu13" / "lib" / "libnvrtc.so.13"
+
+
+def _nvrtc_or_skip() -> ctypes.CDLL:
+    if torch.version.cuda:
+        from torch.cuda import _utils
+        return tc._nvrtc_library(_utils)
+    spec = importlib.util.find_spec("nvidia")
+    path = tc.wheel_nvrtc([Path(p) for p in spec.submodule_search_locations]) if spec else None
+    if path is None:
+        pytest.skip("no NVRTC: a CPU torch and no nvidia-cuda-nvrtc wheel")
+    return ctypes.CDLL(str(path))
+
+
+@pytest.mark.parametrize("tile", [(1, 1, 4, 1), (2, 1, 4, 1), (2, 2, 4, 2), (2, 1, 8, 3)])
+def test_kernel_compiles_for_hopper(tile, tmp_path):
+    """The launch path's own NVRTC compile (no GPU needed, only the library): an sm_90 cubin
+    with the kernel's symbol, at Lightning's two expert K, kept in the disk cache; a bad
+    option says what failed."""
+    lib = _nvrtc_or_skip()
+    for k in (2688, 1856):
+        cubin = tc.compile_cubin(lib, *tile, k, "sm_90")
+        assert cubin[:4] == b"\x7fELF" and b"w4a16_cuda" in cubin
+        assert tc.cached_cubin(lib, (*tile, k), "sm_90", tmp_path)[:4] == b"\x7fELF"
+    assert len(list(tmp_path.glob("*.cubin"))) == 2
+    with pytest.raises(RuntimeError, match="NVRTC failed for sm_0"):
+        tc.compile_cubin(lib, *tile, 2688, "sm_0")
+
+
+class _FakeNvrtc:
+    def __init__(self, minor: int = 0):
+        self.minor = minor
+
+    def nvrtcVersion(self, major, minor):   # noqa: N802 - NVRTC's name
+        major._obj.value, minor._obj.value = 13, self.minor
+        return 0
+
+
+def test_compiled_kernels_are_cached_on_disk(tmp_path, monkeypatch):
+    """A second process start reads the cubin instead of compiling it; another shape, arch or
+    NVRTC version compiles anew; an unwritable cache still returns the kernel."""
+    compiled = []
+
+    def compile_cubin(lib, *shape_arch):
+        compiled.append(shape_arch)
+        return b"\x7fELF" + repr(shape_arch).encode()
+
+    monkeypatch.setattr(tc, "compile_cubin", compile_cubin)
+    shape = (2, 1, 4, 1, 2688)
+    first = tc.cached_cubin(_FakeNvrtc(), shape, "sm_90", tmp_path)
+    assert tc.cached_cubin(_FakeNvrtc(), shape, "sm_90", tmp_path) == first
+    assert len(compiled) == 1 and len(list(tmp_path.glob("*.cubin"))) == 1
+    tc.cached_cubin(_FakeNvrtc(), (2, 1, 4, 2, 2688), "sm_90", tmp_path)
+    tc.cached_cubin(_FakeNvrtc(), shape, "sm_100", tmp_path)
+    tc.cached_cubin(_FakeNvrtc(minor=1), shape, "sm_90", tmp_path)
+    assert len(compiled) == 4 and len(list(tmp_path.glob("*.cubin"))) == 4
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    assert tc.cached_cubin(_FakeNvrtc(), shape, "sm_90", blocked / "cubin") == first
+    monkeypatch.setenv("BLOCKSPEC_CACHE_DIR", str(tmp_path / "c"))
+    assert tc.cache_dir() == tmp_path / "c" / "cubin"

@@ -8,19 +8,19 @@ One kernel (``_w4a16_kernels.py``, which says how it decodes) serves every shape
   expert e's rows, weights stacked [E, N, K/2] / [E, N, K/16] / [E];
 - pairs (MoE at decode): one block per (token, expert) pair, no sort (``pair_w4a16``).
 
+On CUDA, calls of up to 16 rows (pairs, and dense ones given no tile keyword) go to the CUDA
+kernel of ``w4a16_cuda.py`` instead; tile keywords ask for this module's Triton kernel.
+
 Every function here (``_reference`` ones too) takes packed weights in the kernel's layout
-(``w4a16_layout.to_kernel_layout``: the checkpoint's bits moved within each 16-bit word),
-converted once after loading. It lets the inline-PTX decode make 8 weights from 9 integer ops
-and 4 bf16x2 multiplies (a verify's MoE K loop: 3.3 SASS instructions per weight, 3.8 with
-the checkpoint's nibbles; ``scripts/sass_w4a16.py``). M <= 16 uses mma with the weights as B,
-larger M ``W @ x^T`` (wgmma reads x from shared memory); small N is split along K.
+(``w4a16_layout.to_kernel_layout``, converted once after loading), which lets the inline-PTX
+decode make 8 weights from 9 integer ops and 4 bf16x2 multiplies (``scripts/sass_w4a16.py``).
+M <= 16 uses mma with the weights as B, larger M ``W @ x^T`` (wgmma); small N splits K.
 
 Variants (``variant=`` or ``BLOCKSPEC_W4A16_VARIANT``; default ``v2``): ``v2`` as above, ``v2w``
-always swapped (wgmma), ``v2t`` the decode by Triton ops instead of PTX (comparisons). At
-decode a call's time is set by its launch config: v2 takes the tile, split-K, warps and stages
-of the call's problem class from the tuned table (``w4a16_tuned.py``), else the built-ins;
-explicit keywords override both. Prefill sizes take ``w4a16_prefill``'s table, which may send
-a shape to cuBLAS on a dequantized copy (``nvfp4_dequant.py``).
+always swapped (wgmma), ``v2t`` the decode by Triton ops instead of PTX (comparisons). v2 takes
+the tile, split-K, warps and stages of the call's problem class from the tuned table
+(``w4a16_tuned.py``), else the built-ins; keywords override both. Prefill sizes take
+``w4a16_prefill``'s table, which may send a shape to cuBLAS on a dequantized copy.
 
 Triton is imported only when a kernel is launched (``triton_loader.load_kernels``). Under
 ``TRITON_INTERPRET=1`` (CPU tensors) every variant runs the same kernel with the decode in fp32
@@ -40,6 +40,7 @@ from blockspec.kernels.tile_counters import tile_counters
 from blockspec.kernels.triton_loader import interpreting, load_kernels, sm_count
 from blockspec.kernels.w4a16_blocks import expert_blocks, grouped_blocks  # noqa: F401 (MoE's)
 from blockspec.kernels.w4a16_layout import from_kernel_layout
+from blockspec.kernels.w4a16_cuda import cuda_ok, dense_w4a16_cuda, pair_w4a16_cuda
 from blockspec.kernels.w4a16_prefill import is_dense_prefill, is_grouped_prefill, prefill_config
 from blockspec.kernels.w4a16_tuned import check_v2_tile, tuned_config
 from blockspec.quant.nvfp4 import GROUP_SIZE, dequantize_nvfp4
@@ -67,9 +68,8 @@ def _pick_split_k(programs: int, k: int, block_k: int, sms: int, waves: float = 
 
 
 def split_plan(k: int, chunk: int, split: int) -> tuple[int, int]:
-    """(splits launched, K per split) for ``split`` asked-for splits of K: each split covers
-    whole ``chunk``s of K, so a large request can come out smaller (the sweep uses this to
-    skip splits that would launch the same kernel twice)."""
+    """(splits launched, K per split) for ``split`` asked-for splits of whole ``chunk``s of K
+    (fewer if K runs out: the sweep skips splits that would launch the same kernel twice)."""
     k_per_split = -(-k // split)
     k_per_split = -(-k_per_split // chunk) * chunk
     return -(-k // k_per_split), k_per_split
@@ -98,12 +98,9 @@ def _builtin_v2_config(n: int, k: int, m: int) -> dict:
 def v2_default_config(n: int, k: int, m: int, *, blocks: int | None = None,
                       block_m: int | None = None, tuned: bool = True) -> dict:
     """Launch config of the v2 kernels for what the caller leaves unnamed: the tuned entry of
-    the call's class over the built-in defaults (``_builtin_v2_config``).
-
-    ``m``: rows of x for a dense call, rows per block for a grouped one (with ``blocks`` row
-    blocks).  ``block_m``: a row block the caller chose for a dense call; the built-in tile
-    follows it.  ``split_k`` None: ``_pick_split_k`` decides.
-    """
+    the call's class over the built-in defaults (``_builtin_v2_config``). ``m``: rows of x for
+    a dense call, rows per block for a grouped one (``blocks`` row blocks); ``block_m``: a
+    dense call's chosen row block; ``split_k`` None: ``_pick_split_k`` decides."""
     cfg = _builtin_v2_config(n, k, m if block_m is None else block_m)
     if tuned:
         cfg.update(tuned_config(n, k, m, blocks))
@@ -123,15 +120,12 @@ def _launch_v2(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """``tables``: (expert, row0, row1) per row block for the grouped GEMM, None for dense.
     ``pairs`` (``pair_w4a16``): ``ids`` [tokens, topk], ``x_per_pair``, ``dedup``; one block
     per pair, ``num_blocks`` = pairs, ``out`` has a row per pair. ``relu2``: relu(.)^2 of
-    the rounded output, in the kernel's epilogue.
-
-    Keywords left None come from ``prefill`` (a large-M call's ``w4a16_prefill`` config: no
+    the rounded output, in the kernel's epilogue. Keywords left None come from ``prefill`` (a large-M call's ``w4a16_prefill`` config: no
     split-K), else ``v2_default_config``; the tuned table applies to ``v2`` only (the other
     variants are comparisons, and ``v2w`` needs its own tile shapes). ``n_inner``: the grid
     runs a row block's N tiles side by side; ``x_perm`` (prefill): x copied with each K
     chunk in the kernel's stream order; ``x_ordered`` = C: x already is (``stream_order(x, C)``),
-    C must be the config's K block.
-    """
+    C must be the config's K block."""
     interpret = interpreting()
     kernel = v2_kernel()
     if tables is None and pairs is None:
@@ -285,6 +279,8 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         return x.new_empty((*lead, n))
     cfg = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": num_warps,
            "num_stages": num_stages}
+    tiled = any(v is not None for v in (variant, block_m, k_slices, maxnreg, swap, n_inner,
+                                        x_perm, *cfg.values()))
     variant = _variant(variant)
     per_row = weight_scale_2.numel() > 1     # stacked siblings (quant.linear.stack_nvfp4_rows)
     if per_row and (weight_scale_2.numel() != n or dequant):
@@ -296,7 +292,9 @@ def w4a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     pre_m = pre.pop("block_m", None)
     block_m = block_m or pre_m or _builtin_v2_config(n, k, m)["block_m"]
     table_says = pre.pop("dequant", False) and not per_row   # measured on sm90 bf16
-    if (table_says if dequant is None else dequant) and grouped_mm_ok(x2):
+    if not (tiled or dequant) and cuda_ok(x2, w, m, "dense"):   # the CUDA kernel's dense mode
+        y = dense_w4a16_cuda(x2, w, s, ws2, relu2=relu2)
+    elif (table_says if dequant is None else dequant) and grouped_mm_ok(x2):
         y = dequant_linear(x2, w, s, ws2, relu2)
     else:
         y = _launch_v2(x2, w, s, ws2, None, -(-m // block_m), block_m, n, k, out_dtype, variant,
@@ -406,7 +404,7 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     often share experts; decoding, not only reading, is what a W4A16 call pays for);
     ``distinct`` promises no token names an expert twice (top-k routing), which skips the
     kernel's repeat count. ``relu2`` applies relu(.)^2 to the rounded result (an expert's up
-    projection).
+    projection). On CUDA, up to 16 tokens: ``w4a16_cuda.py``'s kernel (``tile`` unused).
 
     ``shared_parts`` = S > 0: the stack's last S experts are slices of the shared expert,
     which every token uses without being routed to them: the result gets S more rows per
@@ -435,8 +433,11 @@ def pair_w4a16(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                          f"got {tokens}")
     if pairs == 0:
         return x.new_empty((rows, n))
-    x2 = x if x.stride(-1) == 1 else x.contiguous()
     ws2 = weight_scale_2.reshape(e).to(torch.float32)
+    if (dedup or tokens == 1) and cuda_ok(x, weight, tokens, "pairs"):
+        return pair_w4a16_cuda(x, ids, weight, weight_scale, ws2, x_per_pair=x_per_pair,
+                               relu2=relu2, distinct=distinct, shared_parts=shared_parts, rows=rows)
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
     ids = ids.contiguous()      # read in its own dtype: no conversion kernel per call
     blocks = pairs + (shared_parts if dedup else tokens * shared_parts)
     variant = default_variant()

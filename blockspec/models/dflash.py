@@ -20,6 +20,7 @@ from blockspec.attention.torch_native import masked_attention
 from blockspec.checkpoint import logical_linear_weight_shape
 from blockspec.configs.draft import DraftConfig, DraftConfigError
 from blockspec.kernels.draft_kv import draft_block_qkv, draft_block_qkv_reference, write_draft_kv
+from blockspec.kernels.silu_mul import silu_mul, silu_mul_reference
 from blockspec.kernels.triton_loader import use_triton
 from blockspec.layers.fused_linear import FusedLinear, fuse_linears
 from blockspec.layers.linear import QuantPlan, build_linear
@@ -179,8 +180,8 @@ class DraftMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            gu = self.gate_up(x)
+            return self.down_proj(silu_mul(gu) if use_triton(gu) else silu_mul_reference(gu))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+
 # graphs captured per batch size and sampling mode when adaptive (the memory / start-up budget)
 WIDTH_BUDGET = 8
 # analytic step time (tensor parallelism without graphs): fixed cost 1, the draft forward's
@@ -95,13 +96,12 @@ class AcceptanceEWMA:
                width: int) -> torch.Tensor:
         """Fold one step (``accepted`` drafts of ``width - 1`` verified) into the rows of
         ``slot`` and into the engine row; a request's first step (``verify_ctr`` 0) starts
-        from the engine row. Returns the new rows [B, W - 1]."""
+        from the engine row. Returns what the step reports, [B, 2P] fp64: the rows' new values,
+        then the new engine row in every row. (A speculative step on CUDA runs this inside
+        ``kernels/spec_commit.py``'s launch.)"""
         prev = torch.where(verify_ctr[:, None] == 0, self.engine[None], self.table[slot])
-        if width == 1:              # nothing verified: only new requests' rows change
-            self.table[slot] = prev
-            return prev
         j, a = self._pos[None], accepted[:, None]
-        tested = (j <= a) & (j < width - 1)
+        tested = (j <= a) & (j < width - 1)     # nothing at width 1: only new rows change
         hit = (j < a).to(prev.dtype)
         new = torch.where(tested, prev + self.alpha * (hit - prev), prev)
         self.table[slot] = new
@@ -110,7 +110,7 @@ class AcceptanceEWMA:
         rate = (hit * seen).sum(0) / n.clamp_min(1.0)
         step = torch.where(n > 0, self.engine_alpha * (rate - self.engine), 0.0)
         self.engine.add_(step)
-        return new
+        return torch.cat([new, self.engine[None].expand_as(new)], dim=1).double()
 
 
 class CostTable:

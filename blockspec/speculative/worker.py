@@ -27,6 +27,8 @@ from blockspec.args import EngineArgs
 from blockspec.attention import create_backend
 from blockspec.forward_metadata import Mode
 from blockspec.grammar import mask_logits
+from blockspec.kernels.spec_commit import spec_commit_fused
+from blockspec.kernels.triton_loader import use_triton
 from blockspec.models.dflash import DFlashDraftModel
 from blockspec.penalties import count_tokens, penalize
 from blockspec.runtime.launched import Plan
@@ -278,27 +280,45 @@ class SpecWorker:
         if m.mamba is not None and T > 1:     # width 1 decoded: its state is committed
             m.mamba.commit_verify(inp["slot"], acc)
         self.draft.write_context(out.aux_hidden, vmeta.positions, vmeta.out_slots, self.pool)
-        toks = torch.cat([drafts, bonus[:, None]], dim=1).scatter(1, acc[:, None], bonus[:, None])
+        commit = self.commit_fused if use_triton(acc) else self.commit_reference
+        toks, row = commit(inp, acc, bonus, drafts, T)
         if penalized:
             kept = torch.arange(T, device=toks.device)[None] <= acc[:, None]
             count_tokens(inp["pen_counts"], inp["slot"], toks, kept)
-        G = self.gamma
-        if self.ewma is not None:
-            ewma = torch.cat([self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T)[:, :G],
-                              self.ewma.engine[None, :G].expand(B, G)], dim=1).double()
-        else:
-            ewma = self._no_ewma[:B]
-        self.runner.advance_inputs(inp, bonus, acc + 1, verified=True)
         if want_top:
             lp, vals, ids = chosen_and_top(logits.reshape(B * T, -1), toks.reshape(-1),
                                            self.runner.top_n)
-            return torch.cat([acc[:, None].double(), toks.double(), lp.view(B, T).double(), ewma,
-                              pack_top(vals.view(B, -1), ids.view(B, -1))], dim=1)
+            row[:, 1 + T:1 + 2 * T] = lp.view(B, T)
+            return torch.cat([row, pack_top(vals.view(B, -1), ids.view(B, -1))], dim=1)
         if want_lp:
-            lps = logprobs_of(logits.reshape(B * T, -1), toks.reshape(-1)).view(B, T)
-        else:
-            lps = torch.zeros(B, T, dtype=torch.float32, device=toks.device)
-        return torch.cat([acc[:, None].double(), toks.double(), lps.double(), ewma], dim=1)
+            row[:, 1 + T:1 + 2 * T] = logprobs_of(logits.reshape(B * T, -1),
+                                                  toks.reshape(-1)).view(B, T)
+        return row
+
+    def commit_reference(self, inp: dict[str, torch.Tensor], acc: torch.Tensor,
+                         bonus: torch.Tensor, drafts: torch.Tensor, width: int,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's bookkeeping after acceptance: the committed tokens [B, width] (the drafts
+        with the bonus at the accept length), the output's first 1 + 2 width + 2γ columns
+        (accepted drafts, tokens, zero logprobs, the EWMA rows and the engine row), the EWMA
+        folded in and the inputs advanced. ``commit_fused`` is the same in one launch."""
+        B, T = drafts.shape[0], width
+        toks = torch.cat([drafts, bonus[:, None]], dim=1).scatter(1, acc[:, None], bonus[:, None])
+        ewma = (self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T)
+                if self.ewma is not None else self._no_ewma[:B])
+        self.runner.advance_inputs(inp, bonus, acc + 1, verified=True)
+        zeros = self._no_ewma[:B, :T] if self.ewma is None else torch.zeros_like(ewma[:, :T])
+        return toks, torch.cat([acc[:, None].double(), toks.double(), zeros, ewma], dim=1)
+
+    def commit_fused(self, inp: dict[str, torch.Tensor], acc: torch.Tensor, bonus: torch.Tensor,
+                     drafts: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``commit_reference`` as one Triton launch (``kernels/spec_commit.py``)."""
+        e = self.ewma
+        return spec_commit_fused(acc, bonus, drafts, inp, None if e is None else e.table,
+                                 None if e is None else e.engine, width=width, gamma=self.gamma,
+                                 dummy=self.memory.dummy_slot,
+                                 alpha=e.alpha if e else 0.0,
+                                 engine_alpha=e.engine_alpha if e else 0.0)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the draft rows: the worker's NVFP4 head copy if it made one, else

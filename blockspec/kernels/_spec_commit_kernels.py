@@ -1,0 +1,69 @@
+"""Triton kernel of a speculative step's bookkeeping after acceptance
+(``kernels/spec_commit.py`` has the launcher; the reference is
+``SpecWorker.commit_reference``). One program holds the whole batch: the EWMA's engine row is
+a sum over the rows, and every row is read before any is written."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _spec_commit_kernel(ACC, BONUS, DRAFTS, SLOT, CTR, TOKEN, PREFIX, SCTR, TABLE, ENGINE, OUT,
+                        TOKS, B, s_d, dummy, alpha, engine_alpha, T: tl.constexpr,
+                        G: tl.constexpr, HAS_EWMA: tl.constexpr, BLOCK_B: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
+    rb = tl.arange(0, BLOCK_B)
+    bm1 = rb < B
+    b = rb[:, None]
+    bm = b < B
+    a1 = tl.load(ACC + rb, mask=bm1, other=0).to(tl.int64)
+    bonus1 = tl.load(BONUS + rb, mask=bm1, other=0).to(tl.int64)
+    slot1 = tl.load(SLOT + rb, mask=bm1, other=0).to(tl.int64)
+    ctr1 = tl.load(CTR + rb, mask=bm1, other=1).to(tl.int64)
+    a, bonus, slot, ctr = a1[:, None], bonus1[:, None], slot1[:, None], ctr1[:, None]
+    C = 1 + 2 * T + 2 * G
+    row_out = OUT + b.to(tl.int64) * C
+
+    # committed tokens: the drafts with the bonus at the accept length (and last)
+    jt = tl.arange(0, BLOCK_T)[None, :]
+    mt = bm & (jt < T)
+    d = tl.load(DRAFTS + b.to(tl.int64) * s_d + jt, mask=bm & (jt < T - 1), other=0)
+    tok = tl.where(jt == a, bonus, tl.where(jt < T - 1, d.to(tl.int64), bonus))
+    tl.store(TOKS + b.to(tl.int64) * T + jt, tok, mask=mt)
+    tl.store(OUT + rb.to(tl.int64) * C, a1.to(tl.float64), mask=bm1)
+    tl.store(row_out + 1 + jt, tok.to(tl.float64), mask=mt)
+    tl.store(row_out + 1 + T + jt, (tok * 0).to(tl.float64), mask=mt)   # logprobs: later
+
+    # the acceptance EWMA (AcceptanceEWMA.update): rows, then the engine row in every row
+    jg1 = tl.arange(0, BLOCK_G)
+    jg = jg1[None, :]
+    mg = bm & (jg < G)
+    if HAS_EWMA:
+        eng = tl.load(ENGINE + jg1, mask=jg1 < G, other=0.0)
+        row = tl.load(TABLE + slot * G + jg, mask=mg, other=0.0)
+        prev = tl.where(ctr == 0, eng[None, :], row)
+        tested = (jg <= a) & (jg < T - 1)
+        hit = (jg < a).to(tl.float32)
+        new = tl.where(tested, prev + alpha * (hit - prev), prev)
+        tl.store(TABLE + slot * G + jg, new, mask=mg)
+        seen = (tested & (slot != dummy) & mg).to(tl.float32)
+        n = tl.reduce(seen, 0, tl.standard._sum_combine)
+        hits = tl.reduce(hit * seen, 0, tl.standard._sum_combine)
+        rate = hits / tl.maximum(n, 1.0)
+        eng = tl.where(n > 0, eng + engine_alpha * (rate - eng), eng)
+        tl.store(ENGINE + jg1, eng, mask=jg1 < G)
+        tl.store(row_out + 1 + 2 * T + jg, new.to(tl.float64), mask=mg)
+        tl.store(row_out + 1 + 2 * T + G + jg, (new * 0.0 + eng[None, :]).to(tl.float64),
+                 mask=mg)
+    else:
+        zero = (jg * 0).to(tl.float64)
+        tl.store(row_out + 1 + 2 * T + jg, zero, mask=mg)
+        tl.store(row_out + 1 + 2 * T + G + jg, zero, mask=mg)
+
+    # the same requests' next inputs (ModelRunner.advance_inputs); padding rows stay
+    live = slot1 != dummy
+    n_rows = tl.where(live, a1 + 1, 0)
+    old = tl.load(TOKEN + rb, mask=bm1, other=0)
+    tl.store(TOKEN + rb, tl.where(live, bonus1, old), mask=bm1)
+    tl.store(PREFIX + rb, tl.load(PREFIX + rb, mask=bm1, other=0) + n_rows, mask=bm1)
+    tl.store(SCTR + rb, tl.load(SCTR + rb, mask=bm1, other=0) + n_rows, mask=bm1)
+    tl.store(CTR + rb, ctr1 + live.to(tl.int64), mask=bm1)
