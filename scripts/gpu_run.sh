@@ -26,8 +26,10 @@
 #   w4a16cuda  the W4A16 CUDA kernel (MoE pairs, dense up to 16 rows): its GPU tests and
 #              bench_w4a16_cuda.py against the Triton kernels, whose tile table
 #              (w4a16_cuda_tiles.json) the later stages of the call use (about 6 minutes)
-#   nexttests  the GPU tests of the kernels not yet run on a GPU (CUDA W4A16, Mamba step,
-#              speculative commit, silu * up) and the adaptive engine's (about 5 minutes)
+#   nexttests  the GPU tests of the CUDA W4A16, Mamba step, speculative commit and silu * up
+#              kernels and the adaptive engine's (about 5 minutes)
+#   b16        batch 16, the cost table against the run: AR and widths 3-5 pinned and
+#              adaptive (256 tokens x 3), then graph replays of widths 4 and 5 (profile_step)
 #   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 (published
 #              profile), DSpark, and the DFlash width-7 step's profile
 set -uo pipefail
@@ -189,6 +191,21 @@ nexttests)
       tests/test_spec_commit_kernel.py tests/test_silu_mul_kernel.py \
       tests/test_gpu_adaptive.py -q -p no:cacheprovider \
       -o addopts="" -rf 2>&1 | tail -40 > "$OUT/gpu_tests_next.log"; tail -8 "$OUT/gpu_tests_next.log"
+  ;;
+b16)
+  L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
+     --output-len 256 --repeats 3 --batch-size 16"
+  timeout 100 $L --out "$OUT/ar_b16.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  timeout 240 $L --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
+      --speculative-adaptive --fixed-widths 3,4,5 --simulate-accept-profile dflash-published \
+      --out "$OUT/dflash_b16.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  python3 scripts/adaptive_table.py "$OUT/ar_b16.jsonl" "$OUT/dflash_b16.jsonl"
+  for w in 4 5; do
+    timeout 90 python3 scripts/profile_step.py --preset nemotron-3.5-lightning --quantized \
+        --batch-size 16 --draft dflash-nemotron35 --width 8 --step-width $w \
+        --simulate-accept-length 4.41 --out "$OUT/profile_w${w}_b16.txt" 2>>"$OUT/stderr.log"
+  done
+  grep -h "graph replay" "$OUT"/profile_w*_b16.txt
   ;;
 batch1)
   L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
