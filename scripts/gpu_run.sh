@@ -36,6 +36,23 @@ set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 B="python3 -m blockspec.cli bench --device cuda --out $OUT/bench.jsonl"
+# AR, then DFlash (published profile, adaptive up to width 8) with the widths $2 pinned on the
+# same engine, at batch size $1, 256 tokens x 3 (the DFlash run limited to $3 s); prints the table
+widths_rows() {
+  local L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning \
+     --quantized --output-len 256 --repeats 3 --batch-size $1"
+  timeout 100 $L --out "$OUT/ar_b$1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  timeout "$3" $L --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
+      --speculative-adaptive --fixed-widths "$2" --simulate-accept-profile dflash-published \
+      --out "$OUT/dflash_b$1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  python3 scripts/adaptive_table.py "$OUT/ar_b$1.jsonl" "$OUT/dflash_b$1.jsonl"
+}
+# the graph replay and kernels of one DFlash step at batch size $1 and width $2
+profile_width() {
+  timeout 90 python3 scripts/profile_step.py --preset nemotron-3.5-lightning --quantized \
+      --batch-size "$1" --draft dflash-nemotron35 --width 8 --step-width "$2" \
+      --simulate-accept-length 4.41 --out "$OUT/profile_w$2_b$1.txt" 2>>"$OUT/stderr.log"
+}
 for stage in "$@"; do
 case "$stage" in
 tests)
@@ -193,34 +210,17 @@ nexttests)
       -o addopts="" -rf 2>&1 | tail -40 > "$OUT/gpu_tests_next.log"; tail -8 "$OUT/gpu_tests_next.log"
   ;;
 b16)
-  L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
-     --output-len 256 --repeats 3 --batch-size 16"
-  timeout 100 $L --out "$OUT/ar_b16.jsonl" 2>>"$OUT/stderr.log" >/dev/null
-  timeout 240 $L --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
-      --speculative-adaptive --fixed-widths 3,4,5 --simulate-accept-profile dflash-published \
-      --out "$OUT/dflash_b16.jsonl" 2>>"$OUT/stderr.log" >/dev/null
-  python3 scripts/adaptive_table.py "$OUT/ar_b16.jsonl" "$OUT/dflash_b16.jsonl"
-  for w in 4 5; do
-    timeout 90 python3 scripts/profile_step.py --preset nemotron-3.5-lightning --quantized \
-        --batch-size 16 --draft dflash-nemotron35 --width 8 --step-width $w \
-        --simulate-accept-length 4.41 --out "$OUT/profile_w${w}_b16.txt" 2>>"$OUT/stderr.log"
-  done
+  widths_rows 16 3,4,5 240
+  for w in 4 5; do profile_width 16 $w; done
   grep -h "graph replay" "$OUT"/profile_w*_b16.txt
   ;;
 batch1)
-  L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
-     --output-len 256 --repeats 3 --batch-size 1"
-  timeout 100 $L --out "$OUT/ar_b1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
-  timeout 150 $L --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
-      --speculative-adaptive --fixed-widths 6,7,8 --simulate-accept-profile dflash-published \
-      --out "$OUT/dflash_b1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
-  timeout 100 $L --random-draft dspark-nemotron35 --speculative-num-draft-tokens 4 \
-      --simulate-accept-profile dspark-published --out "$OUT/dspark_b1.jsonl" \
-      2>>"$OUT/stderr.log" >/dev/null
-  python3 scripts/adaptive_table.py "$OUT/ar_b1.jsonl" "$OUT/dflash_b1.jsonl"
-  timeout 90 python3 scripts/profile_step.py --preset nemotron-3.5-lightning --quantized \
-      --draft dflash-nemotron35 --width 8 --step-width 7 --simulate-accept-length 4.41 \
-      --out "$OUT/profile_w7_b1.txt" 2>>"$OUT/stderr.log"
+  widths_rows 1 6,7,8 150
+  timeout 100 python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning \
+      --quantized --output-len 256 --repeats 3 --batch-size 1 --random-draft dspark-nemotron35 \
+      --speculative-num-draft-tokens 4 --simulate-accept-profile dspark-published \
+      --out "$OUT/dspark_b1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  profile_width 1 7
   ;;
 esac
 done
