@@ -26,8 +26,9 @@
 #   w4a16cuda  the W4A16 CUDA kernel (MoE pairs, dense up to 16 rows): its GPU tests and
 #              bench_w4a16_cuda.py against the Triton kernels, whose tile table
 #              (w4a16_cuda_tiles.json) the later stages of the call use (about 6 minutes)
-#   nexttests  the GPU tests of the CUDA W4A16, Mamba step, speculative commit and silu * up
-#              kernels and the adaptive engine's (about 5 minutes)
+#   nexttests  the GPU tests that have not run on the current tree: the W4A16 linears (their
+#              small calls now take the CUDA kernel) and the engine's (AR / DFlash / DSpark
+#              against the CPU reference and target-only decoding, every adaptive width)
 #   b16        batch 16, the cost table against the run: AR and widths 3-5 pinned and
 #              adaptive (256 tokens x 3), then graph replays of widths 4 and 5 (profile_step)
 #   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 (published
@@ -204,9 +205,8 @@ w4a16cuda)
   cp "$OUT/w4a16_cuda_tiles.json" blockspec/kernels/ 2>/dev/null
   ;;
 nexttests)
-  timeout 540 python3 -m pytest -m gpu tests/test_pair_w4a16.py tests/test_kernels.py \
-      tests/test_spec_commit_kernel.py tests/test_silu_mul_kernel.py \
-      tests/test_gpu_adaptive.py -q -p no:cacheprovider \
+  timeout 540 python3 -m pytest -m gpu tests/test_triton_w4a16.py tests/test_draft_kv.py \
+      tests/test_gpu_engine.py tests/test_gpu_adaptive.py -q -p no:cacheprovider \
       -o addopts="" -rf 2>&1 | tail -40 > "$OUT/gpu_tests_next.log"; tail -8 "$OUT/gpu_tests_next.log"
   ;;
 b16)
