@@ -34,7 +34,8 @@ def workers(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", MODES, indirect=True)
 @pytest.mark.parametrize("adaptive", [True, False])
-@pytest.mark.parametrize("bs, pad, width", [(1, 0, 1), (1, 0, 5), (5, 2, 3), (9, 3, 5)])
+@pytest.mark.parametrize("bs, pad, width", [(1, 0, 1), (1, 0, 5), (5, 2, 3), (9, 3, 5),
+                                           (16, 0, 5), (13, 3, 4)])
 def test_commit_fused_equals_reference(workers, mode, adaptive, bs, pad, width):
     w = workers[adaptive]
     g = torch.Generator().manual_seed(bs * 10 + width + 100 * adaptive)
