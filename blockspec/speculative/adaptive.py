@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-
 # graphs captured per batch size and sampling mode when adaptive (the memory / start-up budget)
 WIDTH_BUDGET = 8
 # analytic step time (tensor parallelism without graphs): fixed cost 1, the draft forward's

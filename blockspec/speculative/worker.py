@@ -72,9 +72,6 @@ class SpecWorker:
         # a step) and report zeros in its columns
         self.ewma = (AcceptanceEWMA(self.memory.dummy_slot + 1, self.gamma, self.memory.device)
                      if len(self.widths) > 1 else None)
-        self._no_ewma = (None if self.ewma is not None else
-                         torch.zeros(runner.inputs.max_bs, 2 * self.gamma, dtype=torch.float64,
-                                     device=self.memory.device))
         self._fns = {w: self._step_at(w) for w in self.widths}
         # grammar-constrained steps: propose -> verify forward -> masked finish, eagerly: the
         # three phases replayed as graphs made an illegal memory access on the GPU under a
@@ -305,10 +302,10 @@ class SpecWorker:
         B, T = drafts.shape[0], width
         toks = torch.cat([drafts, bonus[:, None]], dim=1).scatter(1, acc[:, None], bonus[:, None])
         ewma = (self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T)
-                if self.ewma is not None else self._no_ewma[:B])
+                if self.ewma is not None else acc.new_zeros(B, 2 * self.gamma, dtype=torch.float64))
         self.runner.advance_inputs(inp, bonus, acc + 1, verified=True)
-        zeros = self._no_ewma[:B, :T] if self.ewma is None else torch.zeros_like(ewma[:, :T])
-        return toks, torch.cat([acc[:, None].double(), toks.double(), zeros, ewma], dim=1)
+        zero_lps = acc.new_zeros(B, T, dtype=torch.float64)
+        return toks, torch.cat([acc[:, None].double(), toks.double(), zero_lps, ewma], dim=1)
 
     def commit_fused(self, inp: dict[str, torch.Tensor], acc: torch.Tensor, bonus: torch.Tensor,
                      drafts: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
