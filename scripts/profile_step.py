@@ -140,6 +140,20 @@ def range_table(prof, total_us: float) -> list[str]:
     return lines
 
 
+def replay_ms(runner, gkey, n: int = 50) -> float:
+    """Mean ms of ``n`` replays of a captured graph (after 5 untimed), by CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        runner.graphs.replay(gkey)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        runner.graphs.replay(gkey)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="lightning-mini", choices=sorted(presets.PRESETS))
@@ -239,17 +253,21 @@ def main() -> None:
             lines.append(f"  {t / 1e3:8.3f} ms  x{kernels[name]:<4d} {name[:110]}")
         gkey = runner.ensure_graph(kind, key, bs, fn)
         runner.inputs.fill(batch, bs)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(5):
-            runner.graphs.replay(gkey)
-        torch.cuda.synchronize()
-        start.record()
-        n = 50
-        for _ in range(n):
-            runner.graphs.replay(gkey)
-        end.record()
-        torch.cuda.synchronize()
-        lines.append(f"graph replay: {start.elapsed_time(end) / n:.3f} ms per step (mean of {n})")
+        lines.append(f"graph replay: {replay_ms(runner, gkey):.3f} ms per step (mean of 50)")
+        if draft is not None:
+            # the same graph on the rows the adaptive cost table times (speculative/worker.py):
+            # every row the dummy slot at context 0, distinct tokens; then the batch's rows all
+            # on one request's slot at its context (is a gap between the two the shared slot?)
+            inp = runner.inputs
+            inp.fill_dummy(0, bs)
+            inp.host["token"][:bs] = tokens
+            inp.host["seed"][:bs] = torch.arange(1, bs + 1)
+            inp.upload()
+            lines.append(f"graph replay, the cost table's dummy rows: "
+                         f"{replay_ms(runner, gkey):.3f} ms per step")
+            batch.slots = [held[0].slot] * bs
+            inp.fill(batch, bs)
+            lines.append(f"graph replay, every row on one slot: {replay_ms(runner, gkey):.3f} ms per step")
     text = "\n".join(lines)
     print(text)
     Path(a.out).write_text(text + "\n")

@@ -360,6 +360,7 @@ def test_bench_reports_widths_and_simulates_at_any_width(profile, monkeypatch):
         return self.measured[(bs, width)]
 
     monkeypatch.setattr(CostTable, "measure", measure)
+    monkeypatch.setattr(CostTable, "observe", lambda *a: None)   # the CPU steps' own times too
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -414,6 +415,7 @@ def test_graph_bookkeeping_per_width(target, kind, block, monkeypatch):
         self.measured[(bs, width)] = 1.0 + 0.1 * width + 0.01 * bs * width
 
     monkeypatch.setattr(CostTable, "measure", measure)
+    monkeypatch.setattr(CostTable, "observe", lambda *a: None)   # the CPU steps' own times too
     e = _engine(root, folder, kind, block, max_running_requests=16)
     e.runner.graphs = _EagerGraphs(16)
     e.runner.host_max_seq_len = 512    # the torch backend's context bound (graph steps set none)

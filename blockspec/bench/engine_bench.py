@@ -229,9 +229,11 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
     step_s = decode / max(steps, 1)
     spec = acceptance_fields(engine, outs, decode) if engine.drafter is not None else {}
     if engine.drafter is not None and engine.drafter.adaptive and engine.drafter.cost.measured:
-        # the chooser's step times at this batch (its captured or eager size), widths 1..W
-        spec["cost_ms_by_width"] = [round(engine.drafter.cost.time(batch, w) * 1e3, 3)
-                                    for w in engine.drafter.widths]
+        # the chooser's step times at this batch (its captured or eager size), widths 1..W:
+        # at the end of the run (refined by the steps it ran) and timed at start-up
+        cost, widths = engine.drafter.cost, engine.drafter.widths
+        spec["cost_ms_by_width"] = [round(cost.time(batch, w) * 1e3, 3) for w in widths]
+        spec["startup_cost_ms_by_width"] = [round(cost.startup(batch, w) * 1e3, 3) for w in widths]
     # adaptive: the weight bytes of a step at the mean width the chooser ran
     wbytes = step_weight_bytes(engine.model, round(batch * spec.get("mean_verify_width", width)))
     floor_s = wbytes / H200_BW

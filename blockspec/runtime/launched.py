@@ -37,3 +37,14 @@ class Launched:
     tag: object = None                 # the caller's (the scheduler's requests)
     plan: Plan | None = None
     tp_id: int = 0                     # its name on the tensor-parallel workers (tp_worker.py)
+    # timed steps (ModelRunner.time_steps): on CUDA an event recorded just before the step ran
+    # (``event`` then times too); on the CPU the eager call's seconds, known at launch
+    started: torch.cuda.Event | None = None
+    cpu_seconds: float | None = None
+
+    def seconds(self) -> float | None:
+        """The step's own time, start to output copy, once read back; None if not timed.
+        Steps launched ahead queue behind each other, so a busy device's gaps are not in it."""
+        if self.started is not None and self.event is not None:
+            return self.started.elapsed_time(self.event) / 1e3
+        return self.cpu_seconds

@@ -17,6 +17,7 @@ The runner reads the memory manager's pools; allocation and admission live in th
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,7 @@ class ModelRunner:
                 break
         self.capture_layers: tuple[int, ...] = ()
         self.host_max_seq_len = 0   # eager steps' longest context (the torch backend needs it)
+        self.time_steps = False     # time each launched step (the adaptive width's cost table)
         self._readback: dict[int, list[torch.Tensor]] = {}   # pinned output buffers per width
         self._turn = 0
         self.phased = PhasedSteps(self)      # grammar-constrained steps
@@ -253,20 +255,37 @@ class ModelRunner:
         else:
             bs, key = prev.bs, prev.key
         padded = self.graphs.padded_size(bs) if self.graphs is not None else None
+        step = Launched(kind, fn, key, width, bs, None)
         if padded is None:
             if batch is not None:
                 self.host_max_seq_len = max(batch.prefix_lens) + width
                 self.inputs.fill(batch, bs)
             else:   # an upper bound: every length grew by at most ``width``
                 self.host_max_seq_len += width
+            t0 = self._start_timer(step)
             out = fn(self.inputs.view(bs), key)
+            if t0 is not None and out.device.type != "cuda":   # computed already
+                step.cpu_seconds = time.perf_counter() - t0
         else:
             gkey = (kind, key, padded)
             if batch is not None:
                 gkey = self.ensure_graph(kind, key, padded, fn)
                 self.inputs.fill(batch, padded)
+            self._start_timer(step)
             out = self.graphs.replay(gkey)
-        return self.read_later(Launched(kind, fn, key, width, bs, out), out[:bs])
+        step.out = out
+        return self.read_later(step, out[:bs])
+
+    def _start_timer(self, step: Launched) -> float | None:
+        """With ``time_steps``: on CUDA record ``step.started`` on the stream (no sync); else
+        the host clock, returned."""
+        if not self.time_steps:
+            return None
+        if self.device.type == "cuda":
+            step.started = torch.cuda.Event(enable_timing=True)
+            step.started.record()
+            return None
+        return time.perf_counter()
 
     def read_later(self, step: Launched, out: torch.Tensor) -> Launched:
         """Copy ``out`` into the next of two pinned buffers behind the step (CUDA), so the next
@@ -283,7 +302,7 @@ class ModelRunner:
         self._turn ^= 1
         host = ring[self._turn][: out.shape[0]]
         host.copy_(out, non_blocking=True)
-        step.out, step.event = host, torch.cuda.Event()
+        step.out, step.event = host, torch.cuda.Event(enable_timing=step.started is not None)
         step.event.record()
         return step
 

@@ -8,11 +8,14 @@ w chosen for the whole batch to maximise expected committed tokens per second.
   value. Beside the rows, one engine-wide row follows the batch's observed rate at each
   position more slowly: a new request starts from it (what recent requests achieved, an
   optimistic prior before any verify), and the chooser leans on it where the batch is small.
-* Cost table (``CostTable``): step seconds per (batch size, width), timed once on the dummy
-  rows: a captured size by replays of its graphs, a batch that runs eagerly (CPU, no graphs,
-  past the largest graph) by eager steps at its power-of-two size (``eager_size``). Only
-  under tensor parallelism without graphs does an analytic shape stand in (a dummy step on
-  rank 0 alone would wait on the workers' collectives).
+* Cost table (``CostTable``): step seconds per (batch size, width), timed at start-up on the
+  dummy rows: a captured size by replays of its graphs, a batch that runs eagerly (CPU, no
+  graphs, past the largest graph) by eager steps at its power-of-two size (``eager_size``).
+  Only under tensor parallelism without graphs does an analytic shape stand in (a dummy step
+  on rank 0 alone would wait on the workers' collectives). From then on every step the
+  engine runs is timed on the device (CUDA events around it, read with its outputs: no sync)
+  and refines its entry: the dummy rows share one slot at context 0, the live batch does not,
+  and its contexts grow.
 * Choice (``WidthChooser``): E[w] = 1 + sum_{i < w-1} prod_{j <= i} p_j, with p the batch's
   rows pooled with ``ENGINE_WEIGHT`` rows' worth of the engine row (a lone request's coin
   flips then do not swing the width); argmax_w E[w] / step_time(b, w) over the captured
@@ -43,6 +46,7 @@ WIDTH_BUDGET = 8
 # shape, not a measurement)
 DRAFT_SHARE, ROWS_KNEE = 0.15, 256.0
 GRAPH_REPS, EAGER_REPS = 5, 2   # timed steps per cost-table entry (an eager CPU step: tens of ms)
+LIVE_ALPHA = 0.1        # the cost table's EWMA rate over the engine's own timed steps
 PRIOR = 0.8             # the engine row before any verify (every position)
 ENGINE_ALPHA = 0.05     # the engine row's EWMA rate per step (the rows': 0.25)
 ENGINE_WEIGHT = 4.0     # request rows' worth of the engine row in the chooser's pooled p
@@ -113,13 +117,21 @@ class AcceptanceEWMA:
 
 
 class CostTable:
-    """Step seconds per (batch size, width) as measured, else the analytic shape (relative
-    units; only ratios matter to the choice)."""
+    """Step seconds per (batch size, width): timed at start-up on the dummy rows (else the
+    analytic shape, relative units: only ratios matter to the choice), then followed by the
+    steps the engine runs (``observe``). The dummy rows are not the live batch (one shared
+    slot at context 0; the live contexts grow, and with them the verify's attention), so each
+    width the chooser runs or probes takes its own measured time; a width not run since takes
+    its start-up time scaled by the ratio live / start-up seen at that size."""
 
-    def __init__(self) -> None:
+    def __init__(self, live_alpha: float = LIVE_ALPHA) -> None:
         self.measured: dict[tuple[int, int], float] = {}
-        # time()'s answers while no entry is added (each choice asks for every width)
-        self._lookup: dict[tuple[int, int], float] = {}
+        self.live: dict[tuple[int, int], float] = {}
+        self.live_alpha = live_alpha
+        self._count: dict[tuple[int, int], int] = {}
+        self._scale: dict[int, float] = {}
+        # the table size a (batch, width) reads, while no entry is added
+        self._key: dict[tuple[int, int], int] = {}
         self._entries = 0
 
     @staticmethod
@@ -146,18 +158,48 @@ class CostTable:
         self.measured[(bs, width)] = statistics.median(times)
         return self.measured[(bs, width)]
 
-    def time(self, bs: int, width: int) -> float:
-        """Measured at the smallest measured batch >= ``bs`` with this width, else analytic
-        (a mix never happens: every width of a size is timed together)."""
+    def size(self, bs: int, width: int) -> int:
+        """The table size a batch of ``bs`` reads: the smallest measured size >= ``bs`` with
+        this width, else ``bs`` (analytic; a mix never happens: every width of a size is
+        timed together)."""
         if len(self.measured) != self._entries:
-            self._lookup.clear()
+            self._key.clear()
             self._entries = len(self.measured)
-        got = self._lookup.get((bs, width))
+        got = self._key.get((bs, width))
         if got is None:
             sizes = sorted(s for s, w in self.measured if w == width and s >= bs)
-            got = self.measured[(sizes[0], width)] if sizes else self.analytic(bs, width)
-            self._lookup[(bs, width)] = got
+            got = self._key[(bs, width)] = sizes[0] if sizes else bs
         return got
+
+    def startup(self, bs: int, width: int) -> float:
+        """The start-up time of a step (measured at its table size, else analytic)."""
+        s = self.size(bs, width)
+        got = self.measured.get((s, width))
+        return got if got is not None else self.analytic(s, width)
+
+    def observe(self, bs: int, width: int, seconds: float) -> None:
+        """One step the engine ran, timed on the device. Its (size, width) entry averages its
+        runs, the start-up time counting as one run, the last ``1 / live_alpha`` weighing most;
+        the size's scale follows every run's live / start-up ratio the same way."""
+        s, base = self.size(bs, width), self.startup(bs, width)
+        prior = 1 if (s, width) in self.measured else 0   # analytic units are not seconds
+        scale = self._scale.get(s, 1.0)
+        self.live[(s, width)] = self._mean((s, width), self.live.get((s, width), base * scale),
+                                           seconds, prior)
+        self._scale[s] = self._mean((s, 0), scale, seconds / base, prior)
+
+    def _mean(self, key: tuple[int, int], old: float, new: float, prior: int) -> float:
+        """``old`` moved towards ``new``: a running mean (``old`` as ``prior`` samples at
+        first) until ``1 / live_alpha`` samples, then an EWMA."""
+        n = self._count[key] = self._count.get(key, prior) + 1
+        return old + max(1.0 / n, self.live_alpha) * (new - old)
+
+    def time(self, bs: int, width: int) -> float:
+        """The step time the chooser uses: live where this width ran at this size, else the
+        start-up time times the size's live / start-up scale."""
+        s = self.size(bs, width)
+        got = self.live.get((s, width))
+        return got if got is not None else self.startup(bs, width) * self._scale.get(s, 1.0)
 
 
 class WidthChooser:

@@ -68,6 +68,7 @@ class SpecWorker:
         self.widths = candidate_widths(self.width, adaptive)
         self.cost = CostTable()
         self.chooser = WidthChooser(self.widths, self.cost)
+        runner.time_steps = len(self.widths) > 1      # each step's time refines the cost table
         # a fixed width has nothing to choose: its steps skip the EWMA (28 small kernels
         # a step) and report zeros in its columns
         self.ewma = (AcceptanceEWMA(self.memory.dummy_slot + 1, self.gamma, self.memory.device)
@@ -169,7 +170,7 @@ class SpecWorker:
     def results(self, step: Launched) -> list[tuple]:
         """(accepted drafts a, the a + 1 committed tokens, their logprobs, their top
         alternatives or None) per request; the rows' acceptance EWMA and the engine row go
-        to the chooser."""
+        to the chooser, the step's time (when timed) to the cost table."""
         T, G, k = step.width, self.gamma, self.runner.top_n
         res, ewma, engine = [], [], None
         for row in self.runner.collect(step):    # one conversion of the step's output
@@ -180,6 +181,9 @@ class SpecWorker:
             engine = row[1 + 2 * T + G:1 + 2 * T + 2 * G]
         if self.ewma is not None:
             self.chooser.observe(ewma, engine)
+        seconds = step.seconds()
+        if seconds is not None:
+            self.cost.observe(step.bs, step.width, seconds)
         return res
 
     def step_fn(self, inp: dict[str, torch.Tensor], key: tuple, width: int | None = None,
