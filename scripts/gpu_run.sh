@@ -29,8 +29,9 @@
 #   nexttests  the GPU tests that have not run on the current tree: the W4A16 linears (their
 #              small calls now take the CUDA kernel) and the engine's (AR / DFlash / DSpark
 #              against the CPU reference and target-only decoding, every adaptive width)
-#   b16        batch 16, the cost table against the run: AR and widths 3-5 pinned and
-#              adaptive (256 tokens x 3), then graph replays of widths 4 and 5 (profile_step)
+#   b16        batch 16: AR and DFlash widths 4-6 pinned and adaptive (256 tokens x 3)
+#   b16prof    graph replays of widths 4 and 5 at batch 16 on the batch's rows, on the cost
+#              table's dummy rows and on one shared slot (profile_step)
 #   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 (published
 #              profile), DSpark, and the DFlash width-7 step's profile
 set -uo pipefail
@@ -210,7 +211,9 @@ nexttests)
       -o addopts="" -rf 2>&1 | tail -40 > "$OUT/gpu_tests_next.log"; tail -8 "$OUT/gpu_tests_next.log"
   ;;
 b16)
-  widths_rows 16 3,4,5 240
+  widths_rows 16 4,5,6 240
+  ;;
+b16prof)
   for w in 4 5; do profile_width 16 $w; done
   grep -h "graph replay" "$OUT"/profile_w*_b16.txt
   ;;
