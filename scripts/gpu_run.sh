@@ -32,6 +32,8 @@
 #   b16        batch 16: AR and DFlash widths 4-6 pinned and adaptive (256 tokens x 3)
 #   b16prof    graph replays of widths 4 and 5 at batch 16 on the batch's rows, on the cost
 #              table's dummy rows and on one shared slot (profile_step)
+#   moepath    the MoE stack through the pair path and through the grouped path, 1-32 tokens
+#              (scripts/bench_moe_paths.py: where PAIR_PATH_MAX_PAIRS should cut)
 #   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 (published
 #              profile), DSpark, and the DFlash width-7 step's profile
 set -uo pipefail
@@ -216,6 +218,9 @@ b16)
 b16prof)
   for w in 4 5; do profile_width 16 $w; done
   grep -h "graph replay" "$OUT"/profile_w*_b16.txt
+  ;;
+moepath)
+  timeout 240 python3 scripts/bench_moe_paths.py --out "$OUT/moe_paths.txt" 2>>"$OUT/stderr.log"
   ;;
 batch1)
   widths_rows 1 6,7,8 150
