@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from blockspec.bench import presets  # noqa: E402
+from blockspec.bench.jsonl import emit_text  # noqa: E402
 from blockspec.kernels.mamba_step import commit_verify, mamba_steps  # noqa: E402
 
 
@@ -137,10 +138,7 @@ def main() -> None:
             gbs = 2 * b * L * H * P * N * 4 / us / 1e3
             row.append(f"{bp}/{nw}:{us:.0f}us,{gbs:.0f}GB/s{'' if same else '(differs)'}")
         lines.append(f"B={b} " + " ".join(row))
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit_text(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from blockspec.bench import presets  # noqa: E402
+from blockspec.bench.jsonl import emit_text  # noqa: E402
 from blockspec.bench.timing import graph_time_ms  # noqa: E402
 from blockspec.layers import moe as moe_mod  # noqa: E402
 
@@ -70,10 +71,7 @@ def main() -> None:
             lines.append(f"{t} {t * topk} {pair_us:.1f} {grouped_us:.1f} {pair_us / n:.2f} "
                          f"{grouped_us / n:.2f} {faster} {diff:.3g}")
     lines.append(f"largest pair count where the pair path won: {best_cut}")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit_text(lines, a.out)
 
 
 if __name__ == "__main__":

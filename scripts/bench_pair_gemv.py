@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from blockspec.bench.jsonl import emit_text  # noqa: E402
 from blockspec.bench.timing import graph_time_ms  # noqa: E402
 from blockspec.kernels.moe_pairs import pair_gemv  # noqa: E402
 
@@ -94,10 +95,7 @@ def main() -> None:
     with torch.inference_mode():
         lines = [] if a.dedup_only else tile_sweep(wu, wd, dev)
         lines += dedup_table(wu, wd, dev)
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit_text(lines, a.out)
 
 
 if __name__ == "__main__":

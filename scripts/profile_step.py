@@ -24,6 +24,7 @@ from blockspec.bench import presets  # noqa: E402
 from blockspec.bench.accept_profile import accept_length_profile  # noqa: E402
 from blockspec.bench.bench_args import RANDOM_DRAFTS  # noqa: E402
 from blockspec.bench.draft_presets import algorithm_of, build_random_draft  # noqa: E402
+from blockspec.bench.jsonl import emit_text  # noqa: E402
 from blockspec.engine import Engine  # noqa: E402
 from blockspec.runtime.metadata import StepBatch  # noqa: E402
 from blockspec.speculative.simulated_accept import SimulatedAcceptance  # noqa: E402
@@ -268,9 +269,7 @@ def main() -> None:
             batch.slots = [held[0].slot] * bs
             inp.fill(batch, bs)
             lines.append(f"graph replay, every row on one slot: {replay_ms(runner, gkey):.3f} ms per step")
-    text = "\n".join(lines)
-    print(text)
-    Path(a.out).write_text(text + "\n")
+    emit_text(lines, a.out)
 
 
 if __name__ == "__main__":

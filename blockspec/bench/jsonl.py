@@ -1,4 +1,5 @@
-"""The benches' output: JSON lines appended to ``--out`` (one file gathers many runs)."""
+"""The benches' output: JSON lines appended to ``--out`` (one file gathers many runs), and the
+GPU scripts' text tables printed and kept."""
 from __future__ import annotations
 
 import json
@@ -9,3 +10,12 @@ def append_rows(path: str | None, rows: list[dict]) -> None:
     if path:
         with open(path, "a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+def emit_text(lines: list[str], path: str | None) -> None:
+    """Print a script's table and write it to ``path`` as well, when given."""
+    text = "\n".join(lines)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
