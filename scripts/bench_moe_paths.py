@@ -7,8 +7,9 @@ shared expert riding in the same two launches) serves up to ``PAIR_PATH_MAX_PAIR
 expert) pairs, the grouped one (sort by expert, gather, two grouped W4A16 GEMMs, the shared
 expert apart) the rest. A verify of b requests at width w has b * w tokens, so the cut decides
 which widths of small batches cost what: prints microseconds per MoE stack and per layer for
-each T, the faster path, the largest pair count where the pair path still wins, and the two
-paths' largest difference (both compute the same sum in another order).
+each T, the faster path, the largest pair count where the pair path still wins, and the
+largest difference between the two paths' outputs of the last layer (the same sums, rounded
+in another order).
 
     python scripts/bench_moe_paths.py [--tokens 1,2,...] [--out FILE]
 """

@@ -255,37 +255,37 @@ class ModelRunner:
         else:
             bs, key = prev.bs, prev.key
         padded = self.graphs.padded_size(bs) if self.graphs is not None else None
-        step = Launched(kind, fn, key, width, bs, None)
+        cpu_seconds = None
         if padded is None:
             if batch is not None:
                 self.host_max_seq_len = max(batch.prefix_lens) + width
                 self.inputs.fill(batch, bs)
             else:   # an upper bound: every length grew by at most ``width``
                 self.host_max_seq_len += width
-            t0 = self._start_timer(step)
+            started, t0 = self._start_timer()
             out = fn(self.inputs.view(bs), key)
-            if t0 is not None and out.device.type != "cuda":   # computed already
-                step.cpu_seconds = time.perf_counter() - t0
+            if t0 is not None:          # the CPU: the step is computed already
+                cpu_seconds = time.perf_counter() - t0
         else:
             gkey = (kind, key, padded)
             if batch is not None:
                 gkey = self.ensure_graph(kind, key, padded, fn)
                 self.inputs.fill(batch, padded)
-            self._start_timer(step)
+            started, _ = self._start_timer()
             out = self.graphs.replay(gkey)
-        step.out = out
+        step = Launched(kind, fn, key, width, bs, out, started=started, cpu_seconds=cpu_seconds)
         return self.read_later(step, out[:bs])
 
-    def _start_timer(self, step: Launched) -> float | None:
-        """With ``time_steps``: on CUDA record ``step.started`` on the stream (no sync); else
-        the host clock, returned."""
+    def _start_timer(self) -> tuple[torch.cuda.Event | None, float | None]:
+        """With ``time_steps``, where a step starts: on CUDA an event recorded on the stream
+        now (no sync), on the CPU the host clock; (None, None) otherwise."""
         if not self.time_steps:
-            return None
+            return None, None
         if self.device.type == "cuda":
-            step.started = torch.cuda.Event(enable_timing=True)
-            step.started.record()
-            return None
-        return time.perf_counter()
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+            return started, None
+        return None, time.perf_counter()
 
     def read_later(self, step: Launched, out: torch.Tensor) -> Launched:
         """Copy ``out`` into the next of two pinned buffers behind the step (CUDA), so the next

@@ -128,8 +128,9 @@ class CostTable:
         self.measured: dict[tuple[int, int], float] = {}
         self.live: dict[tuple[int, int], float] = {}
         self.live_alpha = live_alpha
+        self._scale: dict[int, float] = {}            # per size: live / start-up
+        # samples behind each live entry, and behind each size's scale as (size, 0)
         self._count: dict[tuple[int, int], int] = {}
-        self._scale: dict[int, float] = {}
         # the table size a (batch, width) reads, while no entry is added
         self._key: dict[tuple[int, int], int] = {}
         self._entries = 0
