@@ -259,15 +259,11 @@ def main() -> None:
             # the same graph on the rows the adaptive cost table times (speculative/worker.py):
             # every row the dummy slot at context 0, distinct tokens; then the batch's rows all
             # on one request's slot at its context (is a gap between the two the shared slot?)
-            inp = runner.inputs
-            inp.fill_dummy(0, bs)
-            inp.host["token"][:bs] = tokens
-            inp.host["seed"][:bs] = torch.arange(1, bs + 1)
-            inp.upload()
+            runner.inputs.fill_timing_rows(tokens)
             lines.append(f"graph replay, the cost table's dummy rows: "
                          f"{replay_ms(runner, gkey):.3f} ms per step")
             batch.slots = [held[0].slot] * bs
-            inp.fill(batch, bs)
+            runner.inputs.fill(batch, bs)
             lines.append(f"graph replay, every row on one slot: {replay_ms(runner, gkey):.3f} ms per step")
     emit_text(lines, a.out)
 

@@ -176,6 +176,16 @@ class StepInputs:
         h["top_p"][start:end] = 1.0
         h["min_p"][start:end] = 0.0
 
+    def fill_timing_rows(self, tokens: torch.Tensor) -> None:
+        """Rows [0, len(tokens)) as dummy rows (the dummy slot's cache only) with ``tokens``
+        as their anchors and distinct seeds, so a step timed on them routes its tokens over
+        the MoE experts as a real batch's do; upload. (The adaptive cost table's rows.)"""
+        n = tokens.shape[0]
+        self.fill_dummy(0, n)
+        self.host["token"][:n] = tokens
+        self.host["seed"][:n] = torch.arange(1, n + 1)
+        self.upload()
+
     def fill(self, batch: StepBatch, padded: int, masks: bool = True) -> None:
         """Write the batch into rows [0, size) and dummy rows up to ``padded``; upload. With
         ``masks`` a constrained batch's next-token masks too (a phased step fills its own)."""

@@ -145,13 +145,9 @@ class SpecWorker:
         todo = [(s, w) for s in sizes for w in self.widths if (s, w) not in self.cost.measured]
         if len(self.widths) == 1 or not todo:
             return
-        # dummy rows (the dummy slot's cache only) with distinct anchors and seeds, so the
-        # verify's tokens spread over the MoE experts as a real batch's do
-        top, inp, g = max(sizes), runner.inputs, torch.Generator().manual_seed(0)
-        inp.fill_dummy(0, top)
-        inp.host["token"][:top] = torch.randint(0, runner.cfg.vocab_size, (top,), generator=g)
-        inp.host["seed"][:top] = torch.arange(1, top + 1)
-        inp.upload()
+        g = torch.Generator().manual_seed(0)
+        runner.inputs.fill_timing_rows(torch.randint(0, runner.cfg.vocab_size, (max(sizes),),
+                                                     generator=g))
         for size, w in todo:
             self.cost.measure(size, w, lambda size=size, w=w: run(size, w), self.memory.device,
                               reps)
