@@ -34,8 +34,9 @@
 #              table's dummy rows and on one shared slot (profile_step)
 #   moepath    the MoE stack through the pair path and through the grouped path, 1-32 tokens
 #              (scripts/bench_moe_paths.py: where PAIR_PATH_MAX_PAIRS should cut)
-#   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 (published
-#              profile), DSpark, and the DFlash width-7 step's profile
+#   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 pinned and adaptive,
+#              DSpark gamma 3 pinned and adaptive up to width 8 (published profiles), and the
+#              DFlash width-7 step's profile
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -224,10 +225,13 @@ moepath)
   ;;
 batch1)
   widths_rows 1 6,7,8 150
-  timeout 100 python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning \
+  # DSpark: gamma 3 (width 4) pinned, then adaptive up to width 8 on the same engine
+  timeout 150 python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning \
       --quantized --output-len 256 --repeats 3 --batch-size 1 --random-draft dspark-nemotron35 \
-      --speculative-num-draft-tokens 4 --simulate-accept-profile dspark-published \
-      --out "$OUT/dspark_b1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+      --speculative-num-draft-tokens 8 --speculative-adaptive --fixed-widths 4 \
+      --simulate-accept-profile dspark-published --out "$OUT/dspark_b1.jsonl" \
+      2>>"$OUT/stderr.log" >/dev/null
+  python3 scripts/adaptive_table.py "$OUT/ar_b1.jsonl" "$OUT/dspark_b1.jsonl"
   profile_width 1 7
   ;;
 esac
