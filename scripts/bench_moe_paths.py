@@ -4,8 +4,10 @@ on T distinct random tokens, timed inside a CUDA graph, once through each path.
 
 The pair path (``MoE.routed_pairs``: each distinct expert read once for up to 16 tokens, the
 shared expert riding in the same two launches) serves up to ``PAIR_PATH_MAX_PAIRS`` (token,
-expert) pairs, the grouped one (sort by expert, gather, two grouped W4A16 GEMMs, the shared
-expert apart) the rest. A verify of b requests at width w has b * w tokens, so the cut decides
+expert) pairs and, for these packed experts, ``PAIR_DEDUP_MAX_TOKENS`` tokens (past them it
+would read an expert once per pair: 2-3x slower when measured, so the layer no longer takes
+it; a count above 16 tokens times the grouped path twice); the grouped one (sort by expert,
+gather, two grouped W4A16 GEMMs, the shared expert apart) the rest. A verify of b requests at width w has b * w tokens, so the cut decides
 which widths of small batches cost what: prints microseconds per MoE stack and per layer for
 each T, the faster path, the largest pair count where the pair path still wins, and the
 largest difference between the two paths' outputs of the last layer (the same sums, rounded
@@ -28,7 +30,7 @@ from blockspec.bench.jsonl import emit_text  # noqa: E402
 from blockspec.bench.timing import graph_time_ms  # noqa: E402
 from blockspec.layers import moe as moe_mod  # noqa: E402
 
-TOKENS = (1, 2, 4, 6, 8, 10, 11, 12, 14, 16, 20, 24, 32)
+TOKENS = (1, 2, 4, 6, 8, 10, 11, 12, 14, 16)
 
 
 def stack_us(layers: list, x: torch.Tensor, max_pairs: int) -> tuple[float, torch.Tensor]:

@@ -95,3 +95,29 @@ def test_pair_path_over_dense_experts(mode):
     got = moe.routed_pairs(h, ids, w, shared)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(moe.routed_pairs(h, ids, w.flip(1), shared), want, atol=1e-5)
+
+
+def test_pair_path_cut(monkeypatch):
+    """Which path a decode-sized call takes (as on the GPU, where both are graph-safe): pairs up
+    to PAIR_PATH_MAX_PAIRS, and packed experts only while the dedup kernel serves the tokens
+    (past them each pair would read its expert again: 2-3x the grouped path's time)."""
+    from blockspec.bench.presets import build_target
+    from blockspec.layers import moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "use_triton", lambda t: True)
+    packed = _moe("cpu")
+    dense = next(m for m in build_target("tiny", torch.device("cpu"), torch.float32).modules()
+                 if isinstance(m, MoE))
+    for m in (packed, dense):
+        monkeypatch.setattr(m, "graph_safe", lambda dtype, device: True)
+    h = torch.zeros(1, 32, dtype=torch.bfloat16)
+    cap, tokens = moe_mod.PAIR_PATH_MAX_PAIRS, moe_mod.PAIR_DEDUP_MAX_TOKENS
+
+    def takes_pairs(m: MoE, t: int, k: int) -> bool:
+        return m._pair_path(h, torch.zeros(t, k, dtype=torch.long))
+
+    assert cap >= 6 * tokens                       # top-6 (Lightning): every deduped count
+    assert takes_pairs(packed, tokens, 6) and takes_pairs(dense, tokens, 6)
+    assert not takes_pairs(packed, tokens + 1, 2)  # within the pair cap, past the dedup kernel
+    assert takes_pairs(dense, tokens + 1, 2)       # dense dedup serves more tokens
+    assert not takes_pairs(dense, cap + 1, 1) and not takes_pairs(packed, 1, cap + 1)

@@ -39,8 +39,11 @@ from blockspec.layers.linear import Linear, QuantPlan, build_linear
 from blockspec.configs.nemotron_h import NemotronHConfig
 from blockspec.quant.linear import NVFP4Linear, stack_nvfp4_experts
 
-# the per-pair path's limit: beyond it grouping pairs by expert saves weight reads
-PAIR_PATH_MAX_PAIRS = 64
+# the per-pair path's limit: beyond it grouping pairs by expert saves weight reads. Packed
+# experts also stop at the dedup kernel's PAIR_DEDUP_MAX_TOKENS: on the quantized Lightning
+# preset (top-6) the pair path beat the grouped one at every count up to 16 tokens (96 pairs;
+# 116 against 202 us a layer at 16) and lost 1.8-2.7x past it (scripts/bench_moe_paths.py)
+PAIR_PATH_MAX_PAIRS = 96
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -283,7 +286,8 @@ class MoE(nn.Module):
 
     def _pair_path(self, h: torch.Tensor, ids: torch.Tensor) -> bool:
         return (ids.numel() <= PAIR_PATH_MAX_PAIRS and use_triton(h)
-                and (self._dense is not None or self._use_grouped(h)))
+                and (self._dense is not None
+                     or (ids.shape[0] <= PAIR_DEDUP_MAX_TOKENS and self._use_grouped(h))))
 
     def routed(self, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                shared: torch.Tensor | None = None) -> torch.Tensor:
