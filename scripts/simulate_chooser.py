@@ -111,8 +111,11 @@ def main() -> None:
     ap.add_argument("--phases", default=None, help="EVERY,LEN,SCALE: low-acceptance phases")
     ap.add_argument("--blind-margin", type=float, default=None,
                     help="the chooser's blind_margin (default adaptive.BLIND_MARGIN; 0: off)")
+    ap.add_argument("--tie-margin", type=float, default=None,
+                    help="the chooser's tie_margin (default adaptive.TIE_MARGIN; 0: off)")
     args = ap.parse_args()
-    chooser_kw = None if args.blind_margin is None else {"blind_margin": args.blind_margin}
+    chooser_kw = {k: v for k, v in (("blind_margin", args.blind_margin),
+                                    ("tie_margin", args.tie_margin)) if v is not None}
     phases = None
     if args.phases:
         every, length, scale = args.phases.split(",")
@@ -128,7 +131,7 @@ def main() -> None:
         mean = sum(r["x_best_fixed"] for r in runs) / len(runs)
         print(json.dumps({**runs[0], "x_best_fixed_mean": round(mean, 4),
                           "x_best_fixed_min": min(r["x_best_fixed"] for r in runs),
-                          "profile": args.profile}))
+                          "profile": args.profile, "chooser_kw": chooser_kw}))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,10 @@ w chosen for the whole batch to maximise expected committed tokens per second.
   step, so it comes about every 90 steps rather than every 32). Width 1 verifies nothing, so
   once chosen its choice is revisited only by probes: it is taken only if it still wins with
   position 1's estimate raised by ``BLIND_MARGIN`` / sqrt(batch), the estimate's noise shrinking
-  with the rows pooled (its effect, simulated: docs/benchmarks.md). No host sync is added: with
+  with the rows pooled (its effect, simulated: docs/benchmarks.md). Past batch 1, near-ties
+  go to the narrower width (``TIE_MARGIN``): in a batch that finishes together the requests'
+  verify counts spread more at a wider width, which costs more than the expected gain of a
+  near-tie (docs/benchmarks.md); a lone request has no spread. No host sync is added: with
   launch-ahead, step k + 1 is launched before step k is read back, so its width uses the EWMA
   of step k - 1.
 """
@@ -53,6 +56,7 @@ ENGINE_WEIGHT = 4.0     # request rows' worth of the engine row in the chooser's
 PROBE_EVERY = 32        # at most every this many choices, one width wider than the best
 PROBE_SHARE = 0.01      # the probes' extra step time, as a share of the steps' time
 BLIND_MARGIN = 0.1      # optimism on position 1 before plain decoding, at batch 1 (/ sqrt(bs))
+TIE_MARGIN = 0.01       # a wider width must beat a narrower one's expected rate by this share
 
 
 def candidate_widths(max_width: int, adaptive: bool, budget: int = WIDTH_BUDGET) -> tuple[int, ...]:
@@ -210,14 +214,15 @@ class WidthChooser:
 
     def __init__(self, widths: Sequence[int], cost: CostTable, prior: float = PRIOR,
                  probe_every: int = PROBE_EVERY, engine_weight: float = ENGINE_WEIGHT,
-                 probe_share: float = PROBE_SHARE, blind_margin: float = BLIND_MARGIN) -> None:
+                 probe_share: float = PROBE_SHARE, blind_margin: float = BLIND_MARGIN,
+                 tie_margin: float = TIE_MARGIN) -> None:
         self.widths = tuple(sorted(widths))
         self.max_width = self.widths[-1]
         self.cost = cost
         self.p = [prior] * max(self.max_width - 1, 1)
         self.probe_every, self.engine_weight = probe_every, engine_weight
         self.probe_share = probe_share
-        self.blind_margin = blind_margin
+        self.blind_margin, self.tie_margin = blind_margin, tie_margin
         self.force: Iterator[int] | None = None
         self._since_probe = 0
         self._bank = 0.0        # step time saved up for the next probe's extra cost
@@ -234,8 +239,11 @@ class WidthChooser:
         self.p = [(sum(col) + k * e) / (len(rows) + k) for col, e in zip(zip(*rows), engine)]
 
     def _best(self, bs: int, p: Sequence[float]) -> int:
-        """argmax over the candidates of E[w] / step time at acceptance ``p``."""
-        return max(self.widths, key=lambda w: expected_tokens(p, w) / self.cost.time(bs, w))
+        """The narrowest candidate whose E[w] / step time at acceptance ``p`` is within
+        ``tie_margin`` of the best one's (at batch 1 the best: one request has no spread)."""
+        rates = [(w, expected_tokens(p, w) / self.cost.time(bs, w)) for w in self.widths]
+        top = max(r for _, r in rates) / (1 + (self.tie_margin if bs > 1 else 0.0))
+        return next(w for w, r in rates if r >= top)
 
     def fit(self, width: int) -> int:
         """The largest candidate width <= ``width`` (at least the smallest candidate)."""
