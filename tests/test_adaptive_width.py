@@ -372,8 +372,11 @@ def test_bench_reports_widths_and_simulates_at_any_width(profile, monkeypatch):
     assert r["speculative_adaptive"] is True
     hist = r["width_histogram"]
     assert len(hist) == 4 and sum(hist) == sum(r["accept_histogram"])
+    assert r["verify_steps_mean"] * 4 == pytest.approx(sum(hist), abs=0.02)
+    assert r["verify_steps_max"] >= r["verify_steps_mean"]
     if profile == "0,0,0":
         assert r["accept_histogram"][1:] == [0, 0, 0]
+        assert r["verify_steps_mean"] == r["verify_steps_max"] == 119     # a token a step
         assert r["mean_verify_width"] < 1.6 and hist[0] > sum(hist) / 2
     else:
         assert r["mean_verify_width"] > 3.5

@@ -153,8 +153,12 @@ def acceptance_fields(engine, outs: list[dict], decode_s: float) -> dict:
     hists = [o["meta_info"].get("spec_accept_histogram") or [] for o in outs]
     width = engine.drafter.width
     pooled = [sum(h[i] for h in hists if len(h) > i) for i in range(width)]
+    # a batch that starts together runs until its slowest request: the spread of the
+    # requests' verify counts is decode time that their mean acceptance does not predict
+    steps = [o["meta_info"]["spec_verify_ct"] for o in outs]
     out = {"accept_histogram": pooled,
-           "accept_rates": _round4(accept_profile.histogram_rates(pooled))}
+           "accept_rates": _round4(accept_profile.histogram_rates(pooled)),
+           "verify_steps_mean": round(statistics.mean(steps), 2), "verify_steps_max": max(steps)}
     # request steps per verify width (index w - 1; 1 = plain decode)
     widths = [o["meta_info"].get("spec_width_histogram") or [] for o in outs]
     hist = [sum(h[i] for h in widths if len(h) > i) for i in range(width)]
@@ -165,7 +169,6 @@ def acceptance_fields(engine, outs: list[dict], decode_s: float) -> dict:
     if sim is not None:
         phases = (accept_profile.LowAcceptPhases(sim.every, sim.low_len, sim.low_scale)
                   if sim.every else None)
-        steps = [o["meta_info"]["spec_verify_ct"] for o in outs]
         low = sum(phases.low_steps(n) for n in steps) if phases else 0
         mean, rates = accept_profile.expected_rates(sim.probs, width - 1, phases,
                                                     sum(steps) - low, low)
