@@ -24,6 +24,12 @@ def rate(r: dict) -> float:
     return r.get("expected_decode_tok_per_s") or r["decode_tok_per_s"]
 
 
+def spread(r: dict) -> str:
+    """A row's verify steps per request, mean/max (the batch waits for its slowest request)."""
+    m = r.get("verify_steps_mean")
+    return f" ({m:g}/{r['verify_steps_max']})" if m is not None else ""
+
+
 def main(argv: list[str]) -> int:
     ar = {r["batch_size"]: r for r in rows(argv[0]) if r.get("speculative") is None}
     for path in argv[1:]:
@@ -34,7 +40,7 @@ def main(argv: list[str]) -> int:
             label = label or (r.get("simulated_accept_profile"), r.get("speculative"))
         print(f"{path}: {label}")
         print("batch | AR tok/s | best fixed (w) | adaptive: tok/s (realised) mean width | "
-              "x best fixed | x AR | fixed widths tok/s")
+              "x best fixed | x AR | fixed widths tok/s (verify steps a request: mean/max)")
         for b, runs in sorted(by_batch.items()):
             fixed = {w: rate(r) for w, r in runs.items() if w is not None}
             ad = runs.get(None)
@@ -45,7 +51,8 @@ def main(argv: list[str]) -> int:
             print(f"{b} | {a or '-'} | {fixed[best]:.0f} (w{best}) | {rate(ad):.0f} "
                   f"({ad['decode_tok_per_s']:.0f}) {ad.get('mean_verify_width')} | "
                   f"{rate(ad) / fixed[best]:.3f} | {rate(ad) / a if a else float('nan'):.3f} | "
-                  + " ".join(f"w{w}:{v:.0f}" for w, v in sorted(fixed.items())))
+                  + " ".join(f"w{w}:{v:.0f}{spread(runs[w])}" for w, v in sorted(fixed.items()))
+                  + f" | adaptive{spread(ad)}")
     return 0
 
 
