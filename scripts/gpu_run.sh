@@ -32,7 +32,7 @@
 #   b16        batch 16: AR and DFlash widths 4-6 pinned and adaptive (256 tokens x 3)
 #   b16prof    graph replays of widths 4 and 5 at batch 16 on the batch's rows, on the cost
 #              table's dummy rows and on one shared slot (profile_step)
-#   moepath    the MoE stack through the pair path and through the grouped path, 1-32 tokens
+#   moepath    the MoE stack through the pair path and through the grouped path, 1-16 tokens
 #              (scripts/bench_moe_paths.py: where PAIR_PATH_MAX_PAIRS should cut)
 #   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 pinned and adaptive,
 #              DSpark gamma 3 pinned and adaptive up to width 8 (published profiles), and the

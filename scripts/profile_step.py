@@ -25,6 +25,7 @@ from blockspec.bench.accept_profile import accept_length_profile  # noqa: E402
 from blockspec.bench.bench_args import RANDOM_DRAFTS  # noqa: E402
 from blockspec.bench.draft_presets import algorithm_of, build_random_draft  # noqa: E402
 from blockspec.bench.jsonl import emit_text  # noqa: E402
+from blockspec.bench.timing import event_time_ms  # noqa: E402
 from blockspec.engine import Engine  # noqa: E402
 from blockspec.runtime.metadata import StepBatch  # noqa: E402
 from blockspec.speculative.simulated_accept import SimulatedAcceptance  # noqa: E402
@@ -141,18 +142,10 @@ def range_table(prof, total_us: float) -> list[str]:
     return lines
 
 
-def replay_ms(runner, gkey, n: int = 50) -> float:
-    """Mean ms of ``n`` replays of a captured graph (after 5 untimed), by CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        runner.graphs.replay(gkey)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(n):
-        runner.graphs.replay(gkey)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
+def replay_ms(runner, gkey) -> float:
+    """Median ms of 50 replays of a captured graph (after 5 untimed), by CUDA events."""
+    return event_time_ms(lambda: runner.graphs.replay(gkey), reps=50, device=runner.device,
+                         warmup=5)
 
 
 def main() -> None:
@@ -254,7 +247,7 @@ def main() -> None:
             lines.append(f"  {t / 1e3:8.3f} ms  x{kernels[name]:<4d} {name[:110]}")
         gkey = runner.ensure_graph(kind, key, bs, fn)
         runner.inputs.fill(batch, bs)
-        lines.append(f"graph replay: {replay_ms(runner, gkey):.3f} ms per step (mean of 50)")
+        lines.append(f"graph replay: {replay_ms(runner, gkey):.3f} ms per step (median of 50)")
         if draft is not None:
             # the same graph on the rows the adaptive cost table times (speculative/worker.py):
             # every row the dummy slot at context 0, distinct tokens; then the batch's rows all
