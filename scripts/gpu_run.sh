@@ -37,9 +37,16 @@
 #   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 pinned and adaptive,
 #              DSpark gamma 3 pinned and adaptive up to width 8 (published profiles), and the
 #              DFlash width-7 step's profile
+# REQUIRE_GPU=H200 stops at once (exit 3) on any other card: a call that may land on either
+# kind then costs only its start when the wrong one comes.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+echo "gpu: ${gpu:-none}"
+if [ -n "${REQUIRE_GPU:-}" ] && [[ "$gpu" != *"$REQUIRE_GPU"* ]]; then
+  echo "not a $REQUIRE_GPU: stop"; exit 3
+fi
 B="python3 -m blockspec.cli bench --device cuda --out $OUT/bench.jsonl"
 # AR, then DFlash (published profile, adaptive up to width 8) with the widths $2 pinned on the
 # same engine, at batch size $1, 256 tokens x 3 (the DFlash run limited to $3 s); prints the table
