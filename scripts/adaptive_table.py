@@ -7,6 +7,11 @@ AR.jsonl: rows of a plain (no draft) run; SPEC.jsonl: rows of an adaptive run wi
 are ``expected_decode_tok_per_s`` where the row has it (the profile's mean at the widths run,
 so coin noise does not decide the ranking), else ``decode_tok_per_s``; the realised rate of the
 adaptive row is shown beside it.
+
+A row is flagged when the adaptive row's live step time at the width it ran most differs from
+that width's pinned step by more than ``DRIFT`` (a batch's step cost follows what its rows
+commit, through MoE routing; an adaptive row whose exploration committed other tokens is then
+not comparable with its pinned rows).
 """
 from __future__ import annotations
 
@@ -20,6 +25,9 @@ def rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip().startswith("{")]
 
 
+DRIFT = 0.10
+
+
 def rate(r: dict) -> float:
     return r.get("expected_decode_tok_per_s") or r["decode_tok_per_s"]
 
@@ -30,12 +38,31 @@ def spread(r: dict) -> str:
     return f" ({m:g}/{r['verify_steps_max']})" if m is not None else ""
 
 
+def drift(ad: dict, runs: dict) -> str | None:
+    """A warning when the adaptive row's live step at its most-run width is more than
+    ``DRIFT`` away from that width's pinned step (None when comparable or not measured)."""
+    hist, live = ad.get("width_histogram"), ad.get("cost_ms_by_width")
+    if not hist or not live or not any(hist):
+        return None
+    w = max(range(len(hist)), key=hist.__getitem__) + 1
+    pinned = runs.get(w, {}).get("step_ms")
+    if not pinned or w > len(live):
+        return None
+    off = live[w - 1] / pinned - 1.0
+    if abs(off) <= DRIFT:
+        return None
+    return (f"  not comparable: the adaptive row's width-{w} steps took {live[w - 1]:g} ms, "
+            f"{off:+.0%} against {pinned:g} ms pinned (its committed tokens route differently)")
+
+
 def main(argv: list[str]) -> int:
     ar = {r["batch_size"]: r for r in rows(argv[0]) if r.get("speculative") is None}
     for path in argv[1:]:
         by_batch: dict[int, dict] = defaultdict(dict)
         label = None
         for r in rows(path):
+            if r.get("speculative") is None:      # an AR row logged beside the run
+                continue
             by_batch[r["batch_size"]][r.get("pinned_width")] = r
             label = label or (r.get("simulated_accept_profile"), r.get("speculative"))
         print(f"{path}: {label}")
@@ -53,6 +80,9 @@ def main(argv: list[str]) -> int:
                   f"{rate(ad) / fixed[best]:.3f} | {rate(ad) / a if a else float('nan'):.3f} | "
                   + " ".join(f"w{w}:{v:.0f}{spread(runs[w])}" for w, v in sorted(fixed.items()))
                   + f" | adaptive{spread(ad)}")
+            warning = drift(ad, runs)
+            if warning:
+                print(warning)
     return 0
 
 
