@@ -7,7 +7,10 @@ step in; the chooser reads the rows back one step late, as launch-ahead does. A 
 after 256 committed tokens (``simulate(tokens=)``) and a new one takes its slot; the
 chooser's and the EWMA's rates can be set (``chooser_kw``, ``ewma_kw``) to tune them. Scored
 by expected tokens (the profile's mean at the widths run, so the coins' noise does not rank
-the policies) over the table's step time, against every fixed width.
+the policies) over the table's step time, against every fixed width. With
+``--finish-together TOKENS`` the batch is the bench's instead: its requests start together and
+are not replaced, the step costs the table of the size still running, and every policy is
+scored by its simulated time, the tail included (``finish_together``).
 
     python scripts/simulate_chooser.py --profile 0.5 --batch 1 \\
         --cost-ms 2.371,3.209,3.47,3.698,3.791,4.01,4.173,4.488
@@ -97,6 +100,90 @@ def simulate(profile: list[float], batch: int, cost_ms: list[float], steps: int,
             "width_histogram": [widths[w] for w in range(1, W + 1)]}
 
 
+# one H100, main at ac15192: the live tables at the end of the adaptive rows of
+# docs/logs/adaptive_widths_h100_2026-12-05c.jsonl
+H100_MS = {1: [2.215, 3.1, 3.36, 3.535, 3.687, 3.819, 3.965, 4.122],
+           4: [3.188, 4.089, 4.759, 4.972, 7.383, 7.712, 7.92, 8.095],
+           16: [4.553, 8.425, 9.295, 9.474, 10.814, 11.52, 12.727, 13.159],
+           64: [10.406, 14.508, 17.36, 20.336, 23.747, 24.66, 27.823, 32.988],
+           128: [17.334, 25.005, 28.675, 33.621, 38.211, 41.678, 47.555, 55.972]}
+
+
+def finish_together(profile: list[float], batch: int, tables: dict[int, list[float]],
+                    tokens: int = 128, seed: int = 0, width: int | None = None,
+                    chooser_kw: dict | None = None,
+                    warm: tuple[int | None, ...] = ()) -> float:
+    """Milliseconds for ``batch`` requests of ``tokens`` tokens that start together and are
+    not replaced (the bench's batch): each step costs the table of the smallest size that
+    holds the requests still running, at the width chosen (``width`` pins it). The tail that
+    a fixed-length batch pays, which the steady state of ``simulate`` never sees. ``warm``:
+    batches run first on the same chooser, untimed, pinned to each width given (None: the
+    chooser's): the bench's pinned rows and its untimed warm-up run of the adaptive row, which
+    teach the engine row before the timed run."""
+    W = len(next(iter(tables.values())))
+    cost = CostTable()
+    for size, row in tables.items():
+        for w, ms in enumerate(row, 1):
+            cost.measured[(size, w)] = ms / 1e3
+    chooser = WidthChooser(range(1, W + 1), cost, **(chooser_kw or {}))
+    ewma = AcceptanceEWMA(batch + 1, W - 1, torch.device("cpu"))
+    rng = random.Random(seed)
+
+    def run(pinned: int | None) -> float:
+        done, ctr = [0] * batch, torch.zeros(batch, dtype=torch.long)
+        ms, late = 0.0, None
+        while True:
+            live = [b for b in range(batch) if done[b] < tokens]
+            if not live:
+                return ms
+            w = pinned or chooser.choose(len(live))
+            acc = []
+            for b in live:
+                a = 0
+                while a < w - 1 and rng.random() < profile[a]:
+                    a += 1
+                acc.append(a)
+            slots = torch.tensor(live)
+            rows = ewma.update(slots, ctr[slots], torch.tensor(acc), w)[:, :W - 1].tolist()
+            if late is not None:
+                chooser.observe(*late)
+            late = (rows, ewma.engine.tolist())
+            ms += cost.startup(len(live), w) * 1e3
+            for b, a in zip(live, acc):
+                done[b] += a + 1
+                ctr[b] += 1
+
+    for w in warm:
+        run(w)
+    return run(width)
+
+
+def score_finish_together(profile_arg: str, batch: int, tables: dict[int, list[float]],
+                          tokens: int, seeds: int, chooser_kw: dict | None = None,
+                          warm: tuple[int | None, ...] = ()) -> dict:
+    """``finish_together`` for the chooser and every fixed width, the mean of ``seeds``
+    coin sequences each: tokens per ms, and the chooser (after ``warm``) against the best
+    fixed width."""
+    W = len(tables[batch])
+    profile = (list(parse_profile(profile_arg)[1]) + [0.0] * W)[:W - 1]
+    sizes = {s: row for s, row in tables.items() if s <= batch}
+
+    def rate(width: int | None) -> float:
+        ms = [finish_together(profile, batch, sizes, tokens, seed, width, chooser_kw,
+                              warm if width is None else ())
+              for seed in range(seeds)]
+        return batch * tokens * len(ms) / sum(ms)
+
+    fixed = {w: rate(w) for w in range(1, W + 1)}
+    best = max(fixed, key=fixed.get)
+    adaptive = rate(None)
+    return {"batch": batch, "tokens": tokens, "profile": profile_arg, "chooser_kw": chooser_kw,
+            "warm": ["a" if w is None else w for w in warm],
+            "adaptive_tok_per_ms": round(adaptive, 4), "best_fixed": best,
+            "x_best_fixed": round(adaptive / fixed[best], 4),
+            "fixed_tok_per_ms": {w: round(v, 4) for w, v in fixed.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="dflash-published",
@@ -113,6 +200,14 @@ def main() -> None:
                     help="the chooser's blind_margin (default adaptive.BLIND_MARGIN; 0: off)")
     ap.add_argument("--tie-margin", type=float, default=None,
                     help="the chooser's tie_margin (default adaptive.TIE_MARGIN; 0: off)")
+    ap.add_argument("--finish-together", type=int, default=None, metavar="TOKENS",
+                    help="score batches of TOKENS-token requests that start together and are "
+                         "not replaced (the bench's batch, its tail included) instead")
+    ap.add_argument("--device-table", choices=("h200", "h100"), default="h200",
+                    help="the step tables of --finish-together and of the default --cost-ms")
+    ap.add_argument("--warm", default="", help="W1,W2,...: with --finish-together, untimed "
+                    "batches pinned to these widths run first on the chooser, 'a' the chooser's "
+                    "own (the bench: its --fixed-widths, then the adaptive row's warm-up run)")
     args = ap.parse_args()
     chooser_kw = {k: v for k, v in (("blind_margin", args.blind_margin),
                                     ("tie_margin", args.tie_margin)) if v is not None}
@@ -121,8 +216,15 @@ def main() -> None:
         every, length, scale = args.phases.split(",")
         phases = (int(every), int(length), float(scale))
     batches = [int(b) for b in args.batch.split(",")]
+    tables = H100_MS if args.device_table == "h100" else H200_MS
+    if args.finish_together:
+        for b in batches:
+            warm = tuple(None if w == "a" else int(w) for w in args.warm.split(",") if w)
+            print(json.dumps(score_finish_together(args.profile, b, tables, args.finish_together,
+                                                   args.seeds, chooser_kw, warm)))
+        return
     for b in batches:
-        table = [float(v) for v in args.cost_ms.split(",")] if args.cost_ms else H200_MS[b]
+        table = [float(v) for v in args.cost_ms.split(",")] if args.cost_ms else tables[b]
         probs = list(parse_profile(args.profile)[1]) + [0.0] * len(table)
         profile = probs[:len(table) - 1]
         runs = [simulate(profile, b, table, args.steps, seed=s, warm_width=args.warm_width,

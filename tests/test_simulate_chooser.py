@@ -29,3 +29,28 @@ def test_low_phases_change_the_fixed_widths_score():
     rough = sim.simulate([0.9] * 3, batch=2, cost_ms=TABLE, steps=300, seed=1,
                          phases=(8, 4, 0.0))
     assert rough["best_fixed_tok_per_ms"] < calm["best_fixed_tok_per_ms"]
+
+
+def test_a_batch_that_finishes_together_pays_its_slowest_request():
+    # sure drafts at width 4 commit 4 tokens a step: 40 tokens are 10 steps of 1.4 ms
+    tables = {1: [0.5, 0.6, 0.7, 0.8], 4: TABLE}
+    assert abs(sim.finish_together([1.0] * 3, 4, tables, tokens=40, width=4) - 14.0) < 1e-9
+    # coins that never pass at width 2: every request commits 1 token a step, 10 steps of 1.2
+    assert abs(sim.finish_together([0.0] * 3, 4, tables, tokens=10, width=2) - 12.0) < 1e-9
+    # half the drafts pass: requests finish apart, and the last one runs alone on the size-1
+    # table (the same coins: a table of one size only is dearer by the tail steps alone)
+    ms = sim.finish_together([0.5] * 3, 4, tables, tokens=40, width=4, seed=3)
+    flat = sim.finish_together([0.5] * 3, 4, {4: TABLE}, tokens=40, width=4, seed=3)
+    tail_steps = (flat - ms) / (1.4 - 0.8)
+    assert tail_steps >= 1 and abs(tail_steps - round(tail_steps)) < 1e-9
+
+
+def test_finish_together_scores_the_chooser_against_every_fixed_width():
+    tables = {1: [0.5, 0.6, 0.7, 0.8], 4: TABLE}
+    sure = sim.score_finish_together("1.0,1.0,1.0", 4, tables, tokens=64, seeds=3,
+                                     warm=(None,))
+    assert sure["best_fixed"] == 4 and sure["x_best_fixed"] > 0.97
+    never = sim.score_finish_together("0,0,0", 4, tables, tokens=64, seeds=3,
+                                      warm=(2, None))
+    assert never["best_fixed"] == 1 and never["x_best_fixed"] > 0.9
+    assert never["warm"] == [2, "a"]
