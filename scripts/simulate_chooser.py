@@ -37,12 +37,22 @@ H200_MS = {1: [2.335, 3.238, 3.533, 3.698, 3.841, 4.073, 4.218, 4.526],
            128: [13.162, 22.299, 26.364, 31.158, 35.37, 38.805, 44.535, 48.689]}
 
 
+def accepted_drafts(p: list[float], width: int, rng: random.Random) -> int:
+    """One request's accepted drafts in a verify at ``width``: the leading run of passed
+    coins, position j passing with probability ``p[j]``."""
+    a = 0
+    while a < width - 1 and rng.random() < p[a]:
+        a += 1
+    return a
+
+
 def simulate(profile: list[float], batch: int, cost_ms: list[float], steps: int,
-             tokens: int = 256, seed: int = 0, warm_width: int | None = None,
+             tokens: int = 256, seed: int = 0, warm: tuple[int | None, ...] = (),
              phases: tuple[int, int, float] | None = None, chooser_kw: dict | None = None,
              ewma_kw: dict | None = None) -> dict:
-    """The chooser over ``steps`` steps (after ``steps // 2`` at ``warm_width``, when given, as
-    the bench's pinned rows run before the adaptive one on the same engine). ``phases`` =
+    """The chooser over ``steps`` steps, after ``steps // 2`` unscored ones at each width of
+    ``warm`` (None: the chooser's), as the bench's pinned rows run before the adaptive one on
+    the same engine. ``phases`` =
     (every, len, scale): on the last ``len`` of every ``every`` verifies of a request every
     probability is scaled by ``scale`` (the bench's ``--simulate-low-accept-phases``)."""
     W = len(cost_ms)
@@ -63,23 +73,19 @@ def simulate(profile: list[float], batch: int, cost_ms: list[float], steps: int,
         return profile
 
     def step(w: int) -> tuple:
-        acc = []
-        for b in range(batch):
-            p, a = probs(b), 0
-            while a < w - 1 and rng.random() < p[a]:
-                a += 1
-            acc.append(a)
+        acc = [accepted_drafts(probs(b), w, rng) for b in range(batch)]
         cols = ewma.update(slots, ctr, torch.tensor(acc), w)
         return acc, cols[:, :W - 1].tolist(), ewma.engine.tolist()
 
-    for t in range(steps + (steps // 2 if warm_width else 0)):
-        warm = warm_width is not None and t < steps // 2
-        w = warm_width if warm else chooser.choose(batch)
+    half = max(steps // 2, 1)
+    for t in range(steps + half * len(warm)):
+        warming = t < half * len(warm)
+        w = (warm[t // half] if warming else None) or chooser.choose(batch)
         acc, rows, engine = step(w)
         if late is not None:
             chooser.observe(*late)       # launch-ahead: step t - 1's rows, read after t began
         late = (rows, engine)
-        if not warm:
+        if not warming:
             widths[w] += 1
             exp_tokens += sum(expected_tokens(probs(b), w) for b in range(batch))
             ms += cost_ms[w - 1]
@@ -137,12 +143,7 @@ def finish_together(profile: list[float], batch: int, tables: dict[int, list[flo
             if not live:
                 return ms
             w = pinned or chooser.choose(len(live))
-            acc = []
-            for b in live:
-                a = 0
-                while a < w - 1 and rng.random() < profile[a]:
-                    a += 1
-                acc.append(a)
+            acc = [accepted_drafts(profile, w, rng) for _ in live]
             slots = torch.tensor(live)
             rows = ewma.update(slots, ctr[slots], torch.tensor(acc), w)[:, :W - 1].tolist()
             if late is not None:
@@ -193,8 +194,6 @@ def main() -> None:
     ap.add_argument("--cost-ms", default=None, help="step ms at widths 1..W (default: H200 table)")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--warm-width", type=int, default=None,
-                    help="first run as many steps pinned to this width (the bench's pinned rows)")
     ap.add_argument("--phases", default=None, help="EVERY,LEN,SCALE: low-acceptance phases")
     ap.add_argument("--blind-margin", type=float, default=None,
                     help="the chooser's blind_margin (default adaptive.BLIND_MARGIN; 0: off)")
@@ -205,9 +204,10 @@ def main() -> None:
                          "not replaced (the bench's batch, its tail included) instead")
     ap.add_argument("--device-table", choices=("h200", "h100"), default="h200",
                     help="the step tables of --finish-together and of the default --cost-ms")
-    ap.add_argument("--warm", default="", help="W1,W2,...: with --finish-together, untimed "
-                    "batches pinned to these widths run first on the chooser, 'a' the chooser's "
-                    "own (the bench: its --fixed-widths, then the adaptive row's warm-up run)")
+    ap.add_argument("--warm", default="", help="W1,W2,...: unscored runs first on the chooser, "
+                    "pinned to each width, 'a' the chooser's own (the bench: its --fixed-widths, "
+                    "then the adaptive row's warm-up run); a batch each with --finish-together, "
+                    "else steps / 2 each")
     args = ap.parse_args()
     chooser_kw = {k: v for k, v in (("blind_margin", args.blind_margin),
                                     ("tie_margin", args.tie_margin)) if v is not None}
@@ -217,9 +217,9 @@ def main() -> None:
         phases = (int(every), int(length), float(scale))
     batches = [int(b) for b in args.batch.split(",")]
     tables = H100_MS if args.device_table == "h100" else H200_MS
+    warm = tuple(None if w == "a" else int(w) for w in args.warm.split(",") if w)
     if args.finish_together:
         for b in batches:
-            warm = tuple(None if w == "a" else int(w) for w in args.warm.split(",") if w)
             print(json.dumps(score_finish_together(args.profile, b, tables, args.finish_together,
                                                    args.seeds, chooser_kw, warm)))
         return
@@ -227,7 +227,7 @@ def main() -> None:
         table = [float(v) for v in args.cost_ms.split(",")] if args.cost_ms else tables[b]
         probs = list(parse_profile(args.profile)[1]) + [0.0] * len(table)
         profile = probs[:len(table) - 1]
-        runs = [simulate(profile, b, table, args.steps, seed=s, warm_width=args.warm_width,
+        runs = [simulate(profile, b, table, args.steps, seed=s, warm=warm,
                          phases=phases, chooser_kw=chooser_kw)
                 for s in range(args.seeds)]
         mean = sum(r["x_best_fixed"] for r in runs) / len(runs)

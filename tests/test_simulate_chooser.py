@@ -17,6 +17,13 @@ def test_sure_drafts_settle_on_the_widest_verify():
     assert r["width_histogram"][3] > 0.9 * sum(r["width_histogram"])
 
 
+def test_warm_up_steps_are_run_but_not_scored():
+    # 100 pinned width-1 steps first: the scored 200 still settle on the widest verify
+    r = sim.simulate([1.0, 1.0, 1.0], batch=4, cost_ms=TABLE, steps=200, warm=(1,))
+    assert sum(r["width_histogram"]) == 200 and r["width_histogram"][0] < 20
+    assert r["best_fixed"] == 4 and r["x_best_fixed"] > 0.95
+
+
 def test_drafts_that_never_pass_fall_back_to_plain_decoding():
     # the engine row's prior (0.8) and the chooser's margin on width 1 give way in ~30 steps
     r = sim.simulate([0.0, 0.0, 0.0], batch=4, cost_ms=TABLE, steps=800)
