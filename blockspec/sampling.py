@@ -357,7 +357,8 @@ class Stream:
     COIN = 1        # counter = verify steps so far; index j = acceptance coin of draft j
     BONUS = 2       # counter = verify steps so far; the bonus / residual draw
     DRAFT = 3       # counter = verify steps so far; index k = DSpark Markov-walk slot k
-    SIMULATE = 4    # counter = verify steps so far; benchmark's simulated acceptance
+    SIMULATE = 4    # counter = verify steps so far; benchmark's simulated acceptance coins
+    TEXT = 5        # counter = output index; benchmark's simulated text (simulated_text.py)
 
 
 _M32 = 0xFFFFFFFF

@@ -11,7 +11,8 @@ adaptive row is shown beside it.
 A row is flagged when the adaptive row's live step time at the width it ran most differs from
 that width's pinned step by more than ``DRIFT`` (a batch's step cost follows what its rows
 commit, through MoE routing; an adaptive row whose exploration committed other tokens is then
-not comparable with its pinned rows).
+not comparable with its pinned rows), and when the AR row committed other text than the
+speculative rows (``simulated_text``: run AR with ``--simulate-text``).
 """
 from __future__ import annotations
 
@@ -55,6 +56,16 @@ def drift(ad: dict, runs: dict) -> str | None:
             f"{off:+.0%} against {pinned:g} ms pinned (its committed tokens route differently)")
 
 
+def text_mismatch(ar_row: dict | None, ad: dict) -> str | None:
+    """A warning when the AR row committed other text than the speculative rows (the model's
+    own argmax against the bench's simulated text: their MoE routing differs)."""
+    if ar_row is None or bool(ar_row.get("simulated_text")) == bool(ad.get("simulated_text")):
+        return None
+    which = "the simulated" if ar_row.get("simulated_text") else "the model's own"
+    return (f"  x AR not comparable: the AR row committed {which} text, the speculative rows "
+            f"the other (run both with the same --simulate-text)")
+
+
 def main(argv: list[str]) -> int:
     ar = {r["batch_size"]: r for r in rows(argv[0]) if r.get("speculative") is None}
     for path in argv[1:]:
@@ -80,9 +91,9 @@ def main(argv: list[str]) -> int:
                   f"{rate(ad) / fixed[best]:.3f} | {rate(ad) / a if a else float('nan'):.3f} | "
                   + " ".join(f"w{w}:{v:.0f}{spread(runs[w])}" for w, v in sorted(fixed.items()))
                   + f" | adaptive{spread(ad)}")
-            warning = drift(ad, runs)
-            if warning:
-                print(warning)
+            for warning in (drift(ad, runs), text_mismatch(ar.get(b), ad)):
+                if warning:
+                    print(warning)
     return 0
 
 

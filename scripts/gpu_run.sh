@@ -53,7 +53,7 @@ B="python3 -m blockspec.cli bench --device cuda --out $OUT/bench.jsonl"
 widths_rows() {
   local L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning \
      --quantized --output-len 256 --repeats 3 --batch-size $1"
-  timeout 100 $L --out "$OUT/ar_b$1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  timeout 100 $L --simulate-text --out "$OUT/ar_b$1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
   timeout "$3" $L --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
       --speculative-adaptive --fixed-widths "$2" --simulate-accept-profile dflash-published \
       --out "$OUT/dflash_b$1.jsonl" 2>>"$OUT/stderr.log" >/dev/null
@@ -118,7 +118,7 @@ full)
 fullspec|fullspecq)
   Q=""; [ "$stage" = fullspecq ] && Q="--quantized"
   F="$B --preset nemotron-3.5-lightning $Q --batch-size 1,4,16,64 --output-len 128 --repeats 2"
-  timeout 150 $F 2>>"$OUT/stderr.log"
+  timeout 150 $F --simulate-text 2>>"$OUT/stderr.log"
   timeout 180 $F --random-draft dflash --speculative-num-draft-tokens 6 \
       --simulate-accept-length 4.2 2>>"$OUT/stderr.log"
   timeout 180 $F --random-draft dspark --speculative-num-draft-tokens 4 \
@@ -158,7 +158,7 @@ attn)
   ;;
 decodeq)
   Q="$B --preset nemotron-3.5-lightning --quantized --output-len 128 --batch-size 1,4,16,64,128"
-  timeout 150 $Q --repeats 1 2>>"$OUT/stderr.log" >/dev/null
+  timeout 150 $Q --repeats 1 --simulate-text 2>>"$OUT/stderr.log" >/dev/null
   timeout 200 $Q --repeats 1 --random-draft dflash-nemotron35 --speculative-num-draft-tokens 6 \
       --simulate-accept-profile dflash-published 2>>"$OUT/stderr.log" >/dev/null
   timeout 240 $Q --repeats 1 --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
@@ -172,7 +172,7 @@ widths)
   # adaptive, per batch (about 7 minutes; rows reach the files as they are measured)
   L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
      --output-len 128 --repeats 1 --batch-size 1,4,16,64,128"
-  timeout 100 $L --out "$OUT/ar.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  timeout 100 $L --simulate-text --out "$OUT/ar.jsonl" 2>>"$OUT/stderr.log" >/dev/null
   W="$L --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 --speculative-adaptive"
   timeout 300 $W --fixed-widths 2,3,4,5,6,7,8 --simulate-accept-profile dflash-published \
       --out "$OUT/dflash.jsonl" 2>>"$OUT/stderr.log" >/dev/null
@@ -185,7 +185,7 @@ tau15)
   # and 4, 256 tokens x 3 (about 4 minutes)
   L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
      --output-len 256 --repeats 3 --batch-size 1,4"
-  timeout 120 $L --out "$OUT/ar_tau15.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  timeout 120 $L --simulate-text --out "$OUT/ar_tau15.jsonl" 2>>"$OUT/stderr.log" >/dev/null
   timeout 240 $L --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
       --speculative-adaptive --fixed-widths 1,2 --simulate-accept-length 1.5 \
       --out "$OUT/tau15.jsonl" 2>>"$OUT/stderr.log" >/dev/null
@@ -243,4 +243,4 @@ batch1)
   ;;
 esac
 done
-tail -5 "$OUT/stderr.log" 2>/dev/null
+tail -5 "$OUT/stderr.log" 2>/dev/null || true

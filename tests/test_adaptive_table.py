@@ -43,3 +43,18 @@ def test_comparable_row_is_scored_against_the_best_pinned_width(tmp_path, capsys
 def test_a_row_whose_steps_drifted_is_flagged(tmp_path, capsys):
     out = _run(tmp_path, capsys, live_w1=3.30)
     assert "not comparable: the adaptive row's width-1 steps took 3.3 ms, -31%" in out
+
+
+def test_an_ar_row_of_other_text_is_flagged(tmp_path, capsys):
+    """Speculative rows under simulated text against an AR row that decoded the model's own
+    argmax: x AR is flagged; with --simulate-text on both it is not."""
+    spec = _write(tmp_path / "spec.jsonl", [
+        {**_row(1, 4.75, 3360.0), "simulated_text": True},
+        {**_row(None, 4.7, 3380.0, hist=[900, 0, 0], live=[4.7, 8.4, 9.6]), "simulated_text": True}])
+    own = _write(tmp_path / "own.jsonl", [{"batch_size": 16, "decode_tok_per_s": 3400.0}])
+    assert table.main([own, spec]) == 0
+    assert "x AR not comparable: the AR row committed the model's own text" in capsys.readouterr().out
+    same = _write(tmp_path / "same.jsonl", [{"batch_size": 16, "decode_tok_per_s": 3400.0,
+                                             "simulated_text": True}])
+    assert table.main([same, spec]) == 0
+    assert "not comparable" not in capsys.readouterr().out

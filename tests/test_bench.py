@@ -77,23 +77,6 @@ def test_simulated_acceptance_lands_within_ten_percent(kind, tau):
     assert rows[0]["accept_length"] == pytest.approx(tau, rel=0.1)
 
 
-def test_simulated_proposals_are_distinct_random_tokens():
-    """Under simulated acceptance the verify sees uniformly random proposals (a random
-    draft's argmax repeats tokens and would route the verify to too few experts): a block's
-    tokens are nearly always distinct and change from step to step."""
-    from blockspec.sampling import Stream, uniforms
-    from blockspec.speculative.worker import SpecWorker
-
-    seeds, ctr = torch.tensor([7, 8, 9]), torch.tensor([0, 0, 3])
-    draw = lambda c: uniforms(seeds, c, Stream.SIMULATE, 2 * 5)[:, 5:]   # as _propose draws
-    a = SpecWorker._simulated_proposals(draw(ctr), 131072)
-    b = SpecWorker._simulated_proposals(draw(ctr + 1), 131072)
-    assert a.shape == (3, 5) and a.dtype == torch.int64
-    assert int(a.min()) >= 0 and int(a.max()) < 131072
-    assert all(len(set(row)) == 5 for row in a.tolist())
-    assert not torch.equal(a, b) and not torch.equal(a[0], a[1])
-
-
 def test_simulated_acceptance_needs_a_draft_and_a_reachable_tau():
     with pytest.raises(ValueError, match="needs a draft"):
         run(_args(device="cpu", input_len=4, output_len=4, simulate_accept_length=2.0, repeats=1))

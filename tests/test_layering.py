@@ -13,7 +13,7 @@ PKG = ROOT / "blockspec"
 
 # floor of each top-level module or package of blockspec (docs/architecture.md draws the same)
 FLOORS = {
-    0: ("configs", "cache", "kernels", "attention", "forward_metadata", "sampling", "penalties", "grammar",
+    0: ("configs", "cache", "kernels", "attention", "forward_metadata", "sampling", "simulated_text", "penalties", "grammar",
         "checkpoint", "tokenizer", "staged_dir", "progress", "args", "flags", "gsm8k_data", "demo_family",
         "parallel",
         "__init__"),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 PROFILE_FLAG = "--simulate-accept-profile"
 LENGTH_FLAG = "--simulate-accept-length"
 PHASES_FLAG = "--simulate-low-accept-phases"
+TEXT_FLAG = "--simulate-text"
 
 # dflash-published: p_i = 0.9274 - 0.06 (i - 1), the start chosen so that width 6 (5 drafts)
 # commits 4.20 per verify, the accept length reported for Nemotron 3.5 Lightning's DFlash draft
@@ -149,7 +150,7 @@ class Simulation:
 
 
 def check_simulation_flags(profile: str | None, length: float | None, phases: str | None,
-                           json_schema: str | None) -> None:
+                           json_schema: str | None, text: bool = False) -> None:
     """Refuse contradictory or malformed simulation flags before anything is built."""
     if profile is not None:
         parse_profile(profile)
@@ -161,10 +162,11 @@ def check_simulation_flags(profile: str | None, length: float | None, phases: st
     if phases is not None and profile is None and length is None:
         raise ValueError(f"{PHASES_FLAG} scales a simulated acceptance: give {PROFILE_FLAG} or "
                          f"{LENGTH_FLAG} with it")
-    given = PROFILE_FLAG if profile is not None else LENGTH_FLAG if length is not None else None
+    given = (PROFILE_FLAG if profile is not None else LENGTH_FLAG if length is not None
+             else TEXT_FLAG if text else None)
     if given and json_schema:
         raise ValueError(f"{given} cannot be combined with --json-schema: the simulated "
-                         f"proposals and acceptance ignore the grammar")
+                         f"text, proposals and acceptance ignore the grammar")
 
 
 def resolve_simulation(profile: str | None, length: float | None, phases: str | None,

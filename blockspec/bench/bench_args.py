@@ -82,6 +82,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="force acceptance per draft position: P(draft i accepted | drafts before "
                         "it accepted), a comma list covering the verify block, or one of "
                         + ", ".join(NAMED_PROFILES) + " (docs/benchmarks.md); default: off")
+    p.add_argument("--simulate-text", action="store_true",
+                   help="every step commits a fixed random text (token k of a request a function "
+                        "of its seed and k) instead of the model's choice, as the simulated "
+                        "acceptance flags do (they imply it): the plain-decoding rows a simulated "
+                        "speculative run is compared with; default: off")
     p.add_argument("--simulate-low-accept-phases", metavar="every=N,len=L,scale=S",
                    help="with a simulated acceptance: the last L of every N verify steps of a "
                         "request multiply each probability by S; default: off")

@@ -91,7 +91,8 @@ def build_engine(args: argparse.Namespace, max_bs: int, **engine_kw):
     """The engine under test: a folder, or a preset built on the device (+ a random draft);
     ``engine_kw`` are further EngineArgs fields (the prefix cache's, for its bench). The
     simulated-acceptance flags are checked before anything is built, and applied after."""
-    accept_profile.check_simulation_flags(*simulation_flags(args), getattr(args, "json_schema", None))
+    accept_profile.check_simulation_flags(*simulation_flags(args), getattr(args, "json_schema", None),
+                                          bool(getattr(args, "simulate_text", False)))
     cache = max_bs * (args.input_len + args.output_len + 64)
     common = dict(max_running_requests=max_bs, max_total_tokens=cache, **engine_kw,
                   cuda_graph_max_bs=max_bs, disable_cuda_graph=args.disable_cuda_graph,
@@ -129,7 +130,7 @@ def build_engine(args: argparse.Namespace, max_bs: int, **engine_kw):
 def _simulated(engine, args: argparse.Namespace):
     """``engine`` with the simulated acceptance the flags ask for (every bench honours them)."""
     try:
-        attach_simulation(engine, simulation_flags(args))
+        attach_simulation(engine, simulation_flags(args), bool(getattr(args, "simulate_text", False)))
     except ValueError:
         engine.shutdown()
         raise
@@ -330,9 +331,16 @@ def simulation_for(engine, flags: tuple) -> accept_profile.Simulation | None:
     return accept_profile.resolve_simulation(*flags, engine.drafter.gamma)
 
 
-def attach_simulation(engine, flags: tuple) -> None:
-    """Set the drafter's simulated acceptance from the (profile, length, phases) flags."""
+def attach_simulation(engine, flags: tuple, text: bool = False) -> None:
+    """Set the drafter's simulated acceptance from the (profile, length, phases) flags; with
+    it, or with ``text`` (``--simulate-text``), every step commits the simulated text."""
     sim = simulation_for(engine, flags)
+    if text and sim is None and engine.drafter is not None:
+        raise ValueError(f"{accept_profile.TEXT_FLAG} with a draft needs "
+                         f"{accept_profile.LENGTH_FLAG} or {accept_profile.PROFILE_FLAG} (which "
+                         f"imply it): a verify commits the simulated text only when the "
+                         f"simulation decides what it accepts")
+    engine.runner.simulate_text = text or sim is not None
     if sim is None:
         return
     p = sim.phases
@@ -374,6 +382,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         "input_len": args.input_len, "output_len": args.output_len,
         "speculative": type(engine.drafter.draft).__name__ if engine.drafter else None,
         "speculative_adaptive": bool(engine.drafter and engine.drafter.adaptive),
+        "simulated_text": engine.runner.simulate_text,
         "simulated_accept_length": args.simulate_accept_length,
         "simulated_accept_profile": None if sim is None else sim.label,
         "simulated_profile_accept_length": None if sim is None else round(

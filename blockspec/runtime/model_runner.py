@@ -37,6 +37,7 @@ from blockspec.runtime.metadata import StepBatch, StepInputs, extend_metadata, u
 from blockspec.runtime.phases import Pending, PhasedSteps
 from blockspec.runtime.prefill_graphs import PrefillGraphs
 from blockspec.sampling import Stream, logprobs_of, sample, uniforms
+from blockspec.simulated_text import simulated_text
 
 __all__ = ["Launched", "ModelRunner", "Pending", "RunnerOptions", "StepFn"]
 log = logging.getLogger("blockspec")
@@ -75,6 +76,7 @@ class ModelRunner:
         self.capture_layers: tuple[int, ...] = ()
         self.host_max_seq_len = 0   # eager steps' longest context (the torch backend needs it)
         self.time_steps = False     # time each launched step (the adaptive width's cost table)
+        self.simulate_text = False  # benchmarks only: decode commits simulated_text.py's
         self._readback: dict[int, list[torch.Tensor]] = {}   # pinned output buffers per width
         self._turn = 0
         self.phased = PhasedSteps(self)      # grammar-constrained steps
@@ -173,6 +175,8 @@ class ModelRunner:
                       logits: torch.Tensor) -> torch.Tensor:
         """Sample from the forward's logits and advance the inputs (the last phase)."""
         out = self._pick(logits, inp, key)
+        if self.simulate_text:
+            out[:, 0] = simulated_text(inp["seed"], inp["sample_ctr"], 1, self.cfg.vocab_size)[:, 0]
         if key[4]:
             count_tokens(inp["pen_counts"], inp["slot"], out[:, 0].long())
         self.advance_inputs(inp, out[:, 0].long(), torch.ones_like(inp["prefix"]), verified=False)

@@ -36,6 +36,7 @@ from blockspec.runtime.logprobs import chosen_and_top, pack_top, unpack_top
 from blockspec.runtime.metadata import StepBatch, same_rows, uniform_metadata
 from blockspec.runtime.model_runner import Launched, ModelRunner, Pending
 from blockspec.sampling import Stream, logprobs_of, uniforms
+from blockspec.simulated_text import simulated_text
 from blockspec.speculative.accept import verify_block
 from blockspec.speculative.adaptive import (EAGER_REPS, GRAPH_REPS, AcceptanceEWMA, CostTable,
                                              WidthChooser, candidate_widths, eager_size)
@@ -218,10 +219,11 @@ class SpecWorker:
         else:
             drafts, q = base.argmax(-1), None        # argmax drafting: q is a point mass
         u_sim = None
-        if self.simulate is not None:   # benchmark mode: γ acceptance coins, then γ proposals
-            u_sim = uniforms(inp["seed"], inp["verify_ctr"], Stream.SIMULATE, 2 * self.gamma)
-            drafts = self._simulated_proposals(u_sim[:, self.gamma:], base.shape[-1])
-            u_sim = u_sim[:, :n]
+        if self.simulate is not None:   # benchmark mode: the simulated text's next tokens are
+            # proposed (random tokens: a random draft's argmax repeats tokens and would route
+            # the verify to fewer experts than a trained draft's), the profile's coins judge them
+            drafts = simulated_text(inp["seed"], inp["sample_ctr"], n, target.cfg.vocab_size)
+            u_sim = uniforms(inp["seed"], inp["verify_ctr"], Stream.SIMULATE, n)
         return drafts[:, :n], None if q is None else q[:, :n], dmeta, u_sim
 
     def _verify_forward(self, inp: dict[str, torch.Tensor], proposal: tuple, width: int):
@@ -259,10 +261,12 @@ class SpecWorker:
         scored = penalize(logits, inp, drafts) if penalized else logits
         scored = scored if bitmask is None else mask_logits(scored, bitmask)
         if self.simulate is not None:   # benchmark mode: the profile's coins decide how many
-            # of the w - 1 verified drafts are accepted; bonus = target argmax
+            # of the w - 1 verified drafts are accepted; the bonus is the text's next token, so
+            # every width commits the text plain decoding does (runner.simulate_text)
             acc = (self.simulate.accepted(u_sim, inp["verify_ctr"]) if u_sim is not None
                    else torch.zeros_like(inp["prefix"]))
-            bonus = scored.argmax(-1).gather(1, acc[:, None])[:, 0]
+            bonus = simulated_text(inp["seed"], inp["sample_ctr"] + acc, 1,
+                                   self.target.cfg.vocab_size)[:, 0]
         else:
             u = None
             if not greedy_only:   # coin j is the same at every width (COIN column j)
@@ -323,15 +327,6 @@ class SpecWorker:
         if self.head is not None:
             return self.head(h).float()
         return self.draft.compute_logits(h, self.target)
-
-    @staticmethod
-    def _simulated_proposals(u: torch.Tensor, vocab: int) -> torch.Tensor:
-        """Benchmark mode: the block's proposals are uniformly random tokens (``u`` [B, γ]:
-        columns γ..2γ-1 of the step's simulation draw), after the draft has run as usual. A
-        random-weight draft's argmax repeats tokens within a block, so its verify would route
-        to fewer MoE experts (and read fewer weights) than a trained draft's distinct tokens;
-        random tokens are the conservative stand-in."""
-        return (u * vocab).long().clamp_max(vocab - 1)
 
 
 def build_spec_worker(args: EngineArgs, runner: ModelRunner, draft_backend: str,
