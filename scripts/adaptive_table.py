@@ -41,12 +41,17 @@ def spread(r: dict) -> str:
 
 def drift(ad: dict, runs: dict) -> str | None:
     """A warning when the adaptive row's live step at its most-run width is more than
-    ``DRIFT`` away from that width's pinned step (None when comparable or not measured)."""
+    ``DRIFT`` away from that width's pinned step (None when comparable or not measured). The
+    pinned step is the pinned row's own live entry where it has one: both are then full-batch
+    device times, while a row's ``step_ms`` also averages the cheaper steps of a batch whose
+    requests have begun to finish."""
     hist, live = ad.get("width_histogram"), ad.get("cost_ms_by_width")
     if not hist or not live or not any(hist):
         return None
     w = max(range(len(hist)), key=hist.__getitem__) + 1
-    pinned = runs.get(w, {}).get("step_ms")
+    row = runs.get(w, {})
+    own = row.get("cost_ms_by_width") or []
+    pinned = own[w - 1] if len(own) >= w else row.get("step_ms")
     if not pinned or w > len(live):
         return None
     off = live[w - 1] / pinned - 1.0

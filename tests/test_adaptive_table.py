@@ -58,3 +58,14 @@ def test_an_ar_row_of_other_text_is_flagged(tmp_path, capsys):
                                              "simulated_text": True}])
     assert table.main([same, spec]) == 0
     assert "not comparable" not in capsys.readouterr().out
+
+
+def test_drift_compares_full_batch_device_times(tmp_path, capsys):
+    """A pinned row whose wall-clock step (22.5 ms, its batch's tail included) is below its own
+    live entry (24.8 ms) is compared by that entry: an adaptive row at 24.7 ms is comparable."""
+    ar = _write(tmp_path / "ar.jsonl", [{"batch_size": 16, "decode_tok_per_s": 3400.0}])
+    spec = _write(tmp_path / "spec.jsonl", [
+        _row(1, 22.47, 9777.0, live=[24.77, 8.4, 9.6]),
+        _row(None, 21.1, 9865.0, hist=[900, 20, 0], live=[24.72, 8.4, 9.6])])
+    assert table.main([ar, spec]) == 0
+    assert "not comparable" not in capsys.readouterr().out
