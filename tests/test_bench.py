@@ -1,22 +1,14 @@
 """The benchmark harness runs and reports self-consistent figures (speed is never asserted)."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 
-from blockspec.bench.bench_args import add_arguments
 from blockspec.bench.engine_bench import decode_window, run, step_weight_bytes
+from tests.bench_fixtures import bench_args as _args
 
-
-def _args(**kw):
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    ns = p.parse_args([])
-    ns.__dict__.update(kw)
-    return ns
 
 
 def test_bench_reports_consistent_numbers(tmp_path):

@@ -11,17 +11,10 @@ import pytest
 import torch
 
 from blockspec.bench import accept_profile as ap
-from blockspec.bench.bench_args import add_arguments
 from blockspec.bench.engine_bench import build_engine, run
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
+from tests.bench_fixtures import bench_args as _args
 
-
-def _args(**kw) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    ns = p.parse_args([])
-    ns.__dict__.update(kw)
-    return ns
 
 
 @pytest.mark.parametrize("text, want", [

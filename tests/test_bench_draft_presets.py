@@ -3,7 +3,6 @@ Lightning's shapes (meta device, nothing allocated), their format (Nemotron-3.5 
 NVFP4), and a scaled-down build that runs under the bench on the CPU."""
 from __future__ import annotations
 
-import argparse
 
 import pytest
 import torch
@@ -14,14 +13,8 @@ from blockspec.bench.engine_bench import run
 from blockspec.configs.draft import parse_draft_config
 from blockspec.layers.linear import Linear
 from blockspec.quant.linear import NVFP4Linear, QuantEmbedding
+from tests.bench_fixtures import bench_args as _args
 
-
-def _args(**kw) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    ns = p.parse_args([])
-    ns.__dict__.update(kw)
-    return ns
 
 
 def test_random_draft_choices_match_the_presets():

@@ -2,18 +2,12 @@
 the long prompt's prefill chunks between the streams' tokens (speed is never asserted)."""
 from __future__ import annotations
 
-import argparse
 
 import pytest
 
-from blockspec.bench.bench_args import add_arguments
 from blockspec.bench.itl_bench import gaps, run, summary
+from tests.bench_fixtures import bench_args as _args
 
-
-def _args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    return p.parse_args(argv)
 
 
 def test_gaps_are_per_token_and_bounded_by_their_end():

@@ -3,13 +3,11 @@ and the model's own weight shapes, and its breakdown's parts fit inside the meas
 (speed itself is never asserted)."""
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest
 import torch
 
-from blockspec.bench.bench_args import add_arguments
 from blockspec.bench.engine_bench import run as decode_run
 from blockspec.bench.flops import chunk_lengths, per_token_projection_flops, prefill_flops
 from blockspec.bench.prefill_bench import run
@@ -17,14 +15,8 @@ from blockspec.bench.prefill_breakdown import NESTED, TOP, format_table
 from blockspec.configs.nemotron_h import NemotronHConfig
 from blockspec.models.nemotron_h import NemotronHForCausalLM
 from blockspec.tiny_model import TINY_CONFIG
+from tests.bench_fixtures import bench_args as _args
 
-
-def _args(argv: list[str], **kw) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    ns = p.parse_args(argv)
-    ns.__dict__.update(kw)
-    return ns
 
 
 def _cfg(**over) -> NemotronHConfig:

@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
-from blockspec.bench.bench_args import add_arguments
 from blockspec.bench.prefix_bench import run, user_len
 from blockspec.cli import main as cli_main
+from tests.bench_fixtures import bench_args
 
 # snapshots enough that nothing is evicted: which checkpoint an LRU eviction drops depends on
 # which requests finish in one step, so with a small pool the hits would vary run to run
@@ -19,9 +19,7 @@ TINY = ["--prefix-cache", "--device", "cpu", "--dtype", "float32", "--page-size"
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    return p.parse_args(TINY + argv)
+    return bench_args(TINY + argv)
 
 
 def _split(rows: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:

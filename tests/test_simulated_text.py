@@ -3,24 +3,16 @@ flags) every step commits a fixed random token stream, so plain decoding and eve
 width commit the same tokens and their steps route the MoE alike."""
 from __future__ import annotations
 
-import argparse
 
 import pytest
 import torch
 
-from blockspec.bench.bench_args import add_arguments
 from blockspec.bench.engine_bench import build_engine, run
 from blockspec.simulated_text import simulated_text
+from tests.bench_fixtures import bench_args as _args
 
 VOCAB = 131072
 
-
-def _args(**kw) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    ns = p.parse_args([])
-    ns.__dict__.update(kw)
-    return ns
 
 
 def test_text_is_a_function_of_seed_and_output_index():
