@@ -34,6 +34,8 @@
 #              table's dummy rows and on one shared slot (profile_step)
 #   moepath    the MoE stack through the pair path and through the grouped path, 1-16 tokens
 #              (scripts/bench_moe_paths.py: where PAIR_PATH_MAX_PAIRS should cut)
+#   steady     a server's batch (--steady-state 4: replaced as requests finish) at batch 16 and
+#              64: AR, and adaptive (max 8) against widths 3-6 pinned, published profile
 #   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 pinned and adaptive,
 #              DSpark gamma 3 pinned and adaptive up to width 8 (published profiles), and the
 #              DFlash width-7 step's profile
@@ -229,6 +231,15 @@ b16prof)
   ;;
 moepath)
   timeout 240 python3 scripts/bench_moe_paths.py --out "$OUT/moe_paths.txt" 2>>"$OUT/stderr.log"
+  ;;
+steady)
+  L="python3 -m blockspec.cli bench --device cuda --preset nemotron-3.5-lightning --quantized \
+     --output-len 128 --repeats 1 --steady-state 4 --batch-size 16,64"
+  timeout 120 $L --simulate-text --out "$OUT/ar_steady.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  timeout 300 $L --random-draft dflash-nemotron35 --speculative-num-draft-tokens 8 \
+      --speculative-adaptive --fixed-widths 3,4,5,6 --simulate-accept-profile dflash-published \
+      --out "$OUT/steady.jsonl" 2>>"$OUT/stderr.log" >/dev/null
+  python3 scripts/adaptive_table.py "$OUT/ar_steady.jsonl" "$OUT/steady.jsonl"
   ;;
 batch1)
   widths_rows 1 6,7,8 150

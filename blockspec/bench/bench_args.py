@@ -82,6 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="force acceptance per draft position: P(draft i accepted | drafts before "
                         "it accepted), a comma list covering the verify block, or one of "
                         + ", ".join(NAMED_PROFILES) + " (docs/benchmarks.md); default: off")
+    p.add_argument("--steady-state", type=int, metavar="R",
+                   help="a server's batch: R x batch-size requests queued at once, at most "
+                        "batch-size running, each replaced from the queue as it finishes, output "
+                        "lengths uniform in [L/2, 3L/2]; the rate is over the whole run, the "
+                        "replacements' prefills included; default: one batch that starts and "
+                        "ends together")
     p.add_argument("--simulate-text", action="store_true",
                    help="every step commits a fixed random text (token k of a request a function "
                         "of its seed and k) instead of the model's choice, as the simulated "

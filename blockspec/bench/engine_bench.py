@@ -50,6 +50,7 @@ from blockspec.bench import accept_profile, draft_presets, presets
 from blockspec.bench.bench_args import with_lengths
 from blockspec.bench.jsonl import append_rows
 from blockspec.bench.presets import preset_config
+from blockspec.bench.steady_state import measure_steady
 from blockspec.bench.synthetic_tokenizer import synthetic_tokenizer
 from blockspec.checkpoint import DTYPES
 from blockspec.engine import Engine
@@ -231,13 +232,7 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
     else:
         steps, width, tau = max(len(o["output_ids"]) for o in outs) - 1, 1, 1.0
     step_s = decode / max(steps, 1)
-    spec = acceptance_fields(engine, outs, decode) if engine.drafter is not None else {}
-    if engine.drafter is not None and engine.drafter.adaptive and engine.drafter.cost.measured:
-        # the chooser's step times at this batch (its captured or eager size), widths 1..W:
-        # at the end of the run (refined by the steps it ran) and timed at start-up
-        cost, widths = engine.drafter.cost, engine.drafter.widths
-        spec["cost_ms_by_width"] = [round(cost.time(batch, w) * 1e3, 3) for w in widths]
-        spec["startup_cost_ms_by_width"] = [round(cost.startup(batch, w) * 1e3, 3) for w in widths]
+    spec = speculative_fields(engine, batch, outs, decode)
     # adaptive: the weight bytes of a step at the mean width the chooser ran
     wbytes = step_weight_bytes(engine.model, round(batch * spec.get("mean_verify_width", width)))
     floor_s = wbytes / H200_BW
@@ -252,6 +247,30 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
         "floor_step_ms_at_4.8TBps": float(f"{floor_s * 1e3:.4g}"),
         "pct_of_floor": float(f"{100 * floor_s / step_s:.3g}"),
     }
+
+
+def speculative_fields(engine, batch: int, outs: list[dict], decode_s: float) -> dict:
+    """A speculative row's acceptance fields and, for an adaptive engine, the chooser's step
+    times at this batch (its captured or eager size), widths 1..W: at the end of the run
+    (refined by the steps it ran) and as timed at start-up. Empty without a draft."""
+    if engine.drafter is None:
+        return {}
+    spec = acceptance_fields(engine, outs, decode_s)
+    if engine.drafter.adaptive and engine.drafter.cost.measured:
+        cost, widths = engine.drafter.cost, engine.drafter.widths
+        spec["cost_ms_by_width"] = [round(cost.time(batch, w) * 1e3, 3) for w in widths]
+        spec["startup_cost_ms_by_width"] = [round(cost.startup(batch, w) * 1e3, 3) for w in widths]
+    return spec
+
+
+def steady_row(engine, batch: int, args: argparse.Namespace) -> dict:
+    """``--steady-state``'s row (``bench/steady_state.py``) with the speculative fields."""
+    row, outs = measure_steady(engine, batch, args, _sync)
+    spec = speculative_fields(engine, batch, outs, row["wall_s"])
+    tau = (statistics.mean(o["meta_info"]["spec_accept_length"] for o in outs)
+           if engine.drafter is not None else 1.0)
+    width = engine.drafter.width if engine.drafter is not None else 1
+    return {"verify_width": width, "accept_length": round(tau, 3), **row, **spec}
 
 
 def pinned_widths(engine, widths: list[int] | None) -> list[int]:
@@ -365,6 +384,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                          "list only with --prefill)")
     if getattr(args, "breakdown", False):
         raise ValueError("--breakdown splits a prefill: use it with --prefill")
+    steady = getattr(args, "steady_state", None)
+    if steady is not None and (steady < 1 or args.compare_transformers):
+        raise ValueError(f"--steady-state takes the rounds of requests a batch size runs (>= 1, "
+                         f"got {steady}), and not with --compare-transformers (fixed batches)")
     batches = args.batch_size if isinstance(args.batch_size, list) else [args.batch_size]
     flags = simulation_flags(args)
     engine, label = build_engine(args, max(batches))
@@ -419,7 +442,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             for w in pinned + [None]:
                 if engine.drafter is not None:
                     engine.drafter.chooser.force = None if w is None else itertools.repeat(w)
-                row = measure(engine, batch, args)
+                row = (steady_row if steady else measure)(engine, batch, args)
                 if pinned:
                     row.update(pinned_width=w, verify_width=w or row["verify_width"])
                 emit({**base, "cuda_graph": use_graph, **row})

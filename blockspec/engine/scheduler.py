@@ -97,6 +97,7 @@ class Scheduler:
         self.waiting = FairQueue()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
+        self.max_running: int | None = None    # fewer running requests than slots (a bench's batch)
         self._last_was_prefill = False
         self._arrivals = 0
         self._inflight: Launched | None = None    # launched, not yet read back (tag: its requests)
@@ -170,7 +171,8 @@ class Scheduler:
         def room(req: Request, need: int) -> bool:
             nonlocal hit
             hit = hit_for(m, req)               # looked up again: a preemption may change it
-            return len(self.prefilling) + len(self.running) < m.max_requests and m.can_admit(need, hit)
+            cap = min(m.max_requests, self.max_running or m.max_requests)
+            return len(self.prefilling) + len(self.running) < cap and m.can_admit(need, hit)
 
         progress = True
         while progress and self.waiting:
