@@ -38,7 +38,7 @@
 #              64: AR, and adaptive (max 8) against widths 3-6 pinned, published profile
 #   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 pinned and adaptive,
 #              DSpark gamma 3 pinned and adaptive up to width 8 (published profiles), and the
-#              DFlash width-7 step's profile
+#              DFlash width-7 and DSpark gamma-3 steps' profiles
 # REQUIRE_GPU=H200 stops at once (exit 3) on any other card: a call that may land on either
 # kind then costs only its start when the wrong one comes.
 set -uo pipefail
@@ -251,6 +251,10 @@ batch1)
       2>>"$OUT/stderr.log" >/dev/null
   python3 scripts/adaptive_table.py "$OUT/ar_b1.jsonl" "$OUT/dspark_b1.jsonl"
   profile_width 1 7
+  # the DSpark gamma-3 step (width 4) at the published 3.7
+  timeout 90 python3 scripts/profile_step.py --preset nemotron-3.5-lightning --quantized \
+      --draft dspark-nemotron35 --width 4 --simulate-accept-length 3.7 \
+      --out "$OUT/profile_dspark_w4_b1.txt" 2>>"$OUT/stderr.log"
   ;;
 esac
 done
