@@ -4,14 +4,14 @@ on T distinct random tokens, timed inside a CUDA graph, once through each path.
 
 The pair path (``MoE.routed_pairs``: each distinct expert read once for up to 16 tokens, the
 shared expert riding in the same two launches) serves up to ``PAIR_PATH_MAX_PAIRS`` (token,
-expert) pairs and, for these packed experts, ``PAIR_DEDUP_MAX_TOKENS`` tokens (past them it
-would read an expert once per pair: 2-3x slower when measured, so the layer no longer takes
-it; a count above 16 tokens times the grouped path twice); the grouped one (sort by expert,
-gather, two grouped W4A16 GEMMs, the shared expert apart) the rest. A verify of b requests at width w has b * w tokens, so the cut decides
-which widths of small batches cost what: prints microseconds per MoE stack and per layer for
-each T, the faster path, the largest pair count where the pair path still wins, and the
-largest difference between the two paths' outputs of the last layer (the same sums, rounded
-in another order).
+expert) pairs and, for packed experts, up to ``PAIR_DEDUP_MAX_TOKENS`` tokens (past them it
+would read an expert once per pair, 2-3x slower when measured, so the layer does not take it
+and the token counts stop at 16); the grouped path (sort by expert, gather, two grouped W4A16
+GEMMs, the shared expert apart) serves the rest. A verify of b requests at width w has b * w
+tokens, so the cut decides which widths of small batches cost what. Prints microseconds per
+MoE stack and per layer for each T, the faster path, the largest pair count where the pair
+path still wins, and the largest difference between the two paths' outputs of the last layer
+(the same sums, rounded in another order).
 
     python scripts/bench_moe_paths.py [--tokens 1,2,...] [--out FILE]
 """

@@ -37,6 +37,15 @@ H200_MS = {1: [2.335, 3.238, 3.533, 3.698, 3.841, 4.073, 4.218, 4.526],
            128: [13.162, 22.299, 26.364, 31.158, 35.37, 38.805, 44.535, 48.689]}
 
 
+def cost_table(tables: dict[int, list[float]]) -> CostTable:
+    """A cost table measured as ``tables`` says: step ms at widths 1..W per batch size."""
+    cost = CostTable()
+    for size, row in tables.items():
+        for w, ms in enumerate(row, 1):
+            cost.measured[(size, w)] = ms / 1e3
+    return cost
+
+
 def accepted_drafts(p: list[float], width: int, rng: random.Random) -> int:
     """One request's accepted drafts in a verify at ``width``: the leading run of passed
     coins, position j passing with probability ``p[j]``."""
@@ -56,9 +65,7 @@ def simulate(profile: list[float], batch: int, cost_ms: list[float], steps: int,
     (every, len, scale): on the last ``len`` of every ``every`` verifies of a request every
     probability is scaled by ``scale`` (the bench's ``--simulate-low-accept-phases``)."""
     W = len(cost_ms)
-    cost = CostTable()
-    for w, ms in enumerate(cost_ms, 1):
-        cost.measured[(batch, w)] = ms / 1e3
+    cost = cost_table({batch: cost_ms})
     chooser = WidthChooser(range(1, W + 1), cost, **(chooser_kw or {}))
     ewma = AcceptanceEWMA(batch + 1, W - 1, torch.device("cpu"), **(ewma_kw or {}))
     rng = random.Random(seed)
@@ -127,10 +134,7 @@ def finish_together(profile: list[float], batch: int, tables: dict[int, list[flo
     chooser's): the bench's pinned rows and its untimed warm-up run of the adaptive row, which
     teach the engine row before the timed run."""
     W = len(next(iter(tables.values())))
-    cost = CostTable()
-    for size, row in tables.items():
-        for w, ms in enumerate(row, 1):
-            cost.measured[(size, w)] = ms / 1e3
+    cost = cost_table(tables)
     chooser = WidthChooser(range(1, W + 1), cost, **(chooser_kw or {}))
     ewma = AcceptanceEWMA(batch + 1, W - 1, torch.device("cpu"))
     rng = random.Random(seed)

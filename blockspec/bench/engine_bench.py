@@ -52,6 +52,7 @@ from blockspec.bench.jsonl import append_rows
 from blockspec.bench.presets import preset_config
 from blockspec.bench.steady_state import measure_steady
 from blockspec.bench.synthetic_tokenizer import synthetic_tokenizer
+from blockspec.bench.timing import sync_device, timed_generate
 from blockspec.checkpoint import DTYPES
 from blockspec.engine import Engine
 from blockspec.engine.engine import resolve_device
@@ -74,11 +75,6 @@ def step_weight_bytes(model: torch.nn.Module, tokens_per_step: int) -> float:
             size = tokens_per_step * cfg.hidden_size * t.element_size()
         total += size
     return total
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _memory_bytes() -> int:
@@ -207,11 +203,7 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
         sp["json_schema"] = Path(args.json_schema).read_text()
 
     def timed(params: dict) -> tuple[float, list[dict]]:
-        _sync(engine.device)
-        t0 = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
-        _sync(engine.device)
-        return time.perf_counter() - t0, outs
+        return timed_generate(engine, prompts, params)
 
     timed(sp)                                              # warm-up: allocations, graph capture
     runs = [timed(sp) for _ in range(args.repeats)]
@@ -265,7 +257,7 @@ def speculative_fields(engine, batch: int, outs: list[dict], decode_s: float) ->
 
 def steady_row(engine, batch: int, args: argparse.Namespace) -> dict:
     """``--steady-state``'s row (``bench/steady_state.py``) with the speculative fields."""
-    row, outs = measure_steady(engine, batch, args, _sync)
+    row, outs = measure_steady(engine, batch, args)
     spec = speculative_fields(engine, batch, outs, row["wall_s"])
     tau = (statistics.mean(o["meta_info"]["spec_accept_length"] for o in outs)
            if engine.drafter is not None else 1.0)
@@ -314,11 +306,11 @@ def transformers_decode(model_path: str | None, preset_cfg: dict | None, device:
     ids = torch.randint(3, hf.config.vocab_size, (batch, args.input_len), generator=g).to(device)
 
     def timed(n: int) -> float:
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        _sync(device)
+        sync_device(device)
         return time.perf_counter() - t0
 
     timed(2)

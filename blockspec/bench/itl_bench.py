@@ -27,10 +27,11 @@ import time
 import torch
 
 from blockspec.bench.bench_args import with_lengths
-from blockspec.bench.engine_bench import _sync, build_engine
+from blockspec.bench.engine_bench import build_engine
 from blockspec.bench.jsonl import append_rows
 from blockspec.bench.prefill_bench import _prompt
 from blockspec.bench.stats import percentile
+from blockspec.bench.timing import sync_device
 from blockspec.sampling import SamplingParams
 
 STREAM_PROMPT = 128
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                         sampling_params={**greedy, "max_new_tokens": 1})
         engine.generate(input_ids=[_prompt(vocab, STREAM_PROMPT, seed=2 + i) for i in range(streams)],
                         sampling_params={**greedy, "max_new_tokens": 8})
-        _sync(engine.device)
+        sync_device(engine.device)
         rows = []
         for n, chunk in enumerate(chunks):
             engine.scheduler.decoding_chunk = min(chunk, engine.scheduler.chunk)

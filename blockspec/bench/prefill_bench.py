@@ -22,16 +22,15 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 
 from blockspec.bench.bench_args import with_lengths
-from blockspec.bench.engine_bench import _sync, build_engine
+from blockspec.bench.engine_bench import build_engine
 from blockspec.bench.flops import prefill_flops
 from blockspec.bench.jsonl import append_rows
 from blockspec.bench.prefill_breakdown import breakdown, format_table
-from blockspec.bench.timing import event_time_ms
+from blockspec.bench.timing import event_time_ms, timed_generate
 
 
 def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int | None = None,
@@ -58,13 +57,9 @@ def time_to_first_token(engine, input_len: int, repeats: int) -> float:
     vocab = engine.config.vocab_size
     times = []
     for r in range(repeats + 1):
-        ids = _prompt(vocab, input_len, seed=1000 * input_len + r)
-        _sync(engine.device)
-        t0 = time.perf_counter()
-        engine.generate(input_ids=[ids], sampling_params=sp)
-        _sync(engine.device)
+        s, _ = timed_generate(engine, [_prompt(vocab, input_len, seed=1000 * input_len + r)], sp)
         if r:                                           # r == 0 is the warm-up
-            times.append(time.perf_counter() - t0)
+            times.append(s)
     return statistics.median(times)
 
 

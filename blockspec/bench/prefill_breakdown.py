@@ -21,7 +21,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from blockspec.bench.engine_bench import _sync
+from blockspec.bench.timing import timed_generate
 from blockspec.layers import mamba2
 
 # disjoint parts of the forward, in table order; "moe.*" are inside "moe"
@@ -159,11 +159,7 @@ def breakdown(engine, input_len: int, prompt: list[int], flops: dict[str, int] |
     spans = Spans(engine.device)
     with ExitStack() as stack:
         instrument(engine.model, spans, stack)
-        _sync(engine.device)
-        t0 = time.perf_counter()
-        engine.generate(input_ids=[prompt], sampling_params=sp)
-        _sync(engine.device)
-        ttft = time.perf_counter() - t0
+        ttft, _ = timed_generate(engine, [prompt], sp)
     got = spans.totals()
     forward = got.get("forward", 0.0)
     parts = {k: got.get(k, 0.0) for k in TOP}

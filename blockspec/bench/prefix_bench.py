@@ -43,10 +43,11 @@ from typing import Any
 import torch
 
 from blockspec.bench.bench_args import with_lengths
-from blockspec.bench.engine_bench import _sync, build_engine
+from blockspec.bench.engine_bench import build_engine
 from blockspec.bench.jsonl import append_rows
 from blockspec.bench.prefill_bench import _prompt
 from blockspec.bench.stats import percentile
+from blockspec.bench.timing import sync_device
 from blockspec.sampling import SamplingParams
 
 _TIMEOUT_S = 3600.0
@@ -68,7 +69,7 @@ class _Tracker:
 
     def start(self, engine, rid: str, prompt: list[int], output_len: int) -> None:
         self.ids[rid] = []
-        _sync(engine.device)
+        sync_device(engine.device)
         self.submit[rid] = time.monotonic()
         params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
         engine.submit(prompt, params, self._sink(rid), rid=rid)
@@ -133,7 +134,7 @@ def multi_turn(engine, batch: int, turns: int, ulen: int, output_len: int,
             rids.append(rid)
         for _ in rids:
             tr.wait_one()
-        _sync(engine.device)
+        sync_device(engine.device)
         for c, rid in enumerate(rids):
             _check(tr, rid, output_len)
             got[c].append(tr.ids[rid])
@@ -165,7 +166,7 @@ def agentic(engine, prompts: list[list[int]], concurrency: int, output_len: int,
         if nxt < len(prompts):
             tr.start(engine, rids[nxt], prompts[nxt], output_len)
             nxt, live = nxt + 1, live + 1
-    _sync(engine.device)
+    sync_device(engine.device)
     wall = time.perf_counter() - t0
     for rid in rids:
         _check(tr, rid, output_len)
@@ -227,7 +228,7 @@ def _warm_up(engine, first: int, then: int, output_len: int, *, follow: bool) ->
     out = engine.generate(input_ids=[one], sampling_params=sp)[0]["output_ids"]
     two = (one + out if follow else one) + _prompt(vocab, then, seed=8)
     engine.generate(input_ids=[two], sampling_params=sp)
-    _sync(engine.device)
+    sync_device(engine.device)
 
 
 def _emit(rows: list[dict], row: dict) -> None:

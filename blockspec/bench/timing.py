@@ -1,6 +1,7 @@
 """Timing device work: inside a CUDA graph (``graph_time_ms``), as it runs in a captured step,
-so launch gaps count as they do there and the host's launch cost does not; or call by call
-(``event_time_ms``), as eager prefill work runs."""
+so launch gaps count as they do there and the host's launch cost does not; call by call
+(``event_time_ms``), as eager prefill work runs; or a whole ``generate`` call by wall time
+between device syncs (``timed_generate``), as the benches time requests."""
 from __future__ import annotations
 
 import statistics
@@ -60,3 +61,19 @@ def event_time_ms(fn: Callable[[], object], reps: int, device: torch.device,
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_generate(engine, prompts: list[list[int]], params) -> tuple[float, list[dict]]:
+    """Seconds of one ``engine.generate`` over ``prompts`` (the device idle before and after)
+    and its outputs."""
+    sync_device(engine.device)
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    sync_device(engine.device)
+    return time.perf_counter() - t0, outs
