@@ -26,22 +26,29 @@ from blockspec.kernels.mamba_step import commit_verify, mamba_steps  # noqa: E40
 
 
 def timed(fn, reps: int = 20) -> float:
-    """Mean microseconds of ``reps`` calls, after two warm-up calls (CPU: one call, for a dry
-    run under ``TRITON_INTERPRET=1``)."""
+    """Mean microseconds of one call, as the device runs it inside a decode step: ``reps``
+    calls captured in one CUDA graph and replayed (back-to-back eager launches would time the
+    host's launch path, ~50-100 us, not the kernel's few). CPU: one call, for a dry run under
+    ``TRITON_INTERPRET=1``."""
     if not torch.cuda.is_available():
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
-    fn()
-    fn()
+    fn()                                  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(reps):
-        fn()
+    for _ in range(5):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+    return start.elapsed_time(end) * 1e3 / (5 * reps)
 
 
 def main() -> None:

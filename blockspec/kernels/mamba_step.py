@@ -17,14 +17,18 @@ _KERNELS = Path(__file__).with_name("_mamba_step_kernels.py")
 
 
 def step_config(batch: int, steps: int, head_dim: int) -> tuple[int, int]:
-    """(head channels per program, warps) of a ``mamba_steps`` launch. A verify of 64+ rows
-    takes whole heads (up to 64 channels) on 2 warps: 2-2.4x faster than 32 channels on 4 at
-    64-128 requests on an H200 (``scripts/bench_mamba_step.py``); decode and small verifies
-    keep 32 on 4. Compiled without contraction beyond the written fma, every layout the
-    sweep tries gives decode's y and states bit for bit on the GPU."""
-    if steps > 1 and batch * steps >= 64:
-        return min(head_dim, 64), 2
-    return min(head_dim, 32), 4
+    """(head channels per program, warps) of a ``mamba_steps`` launch, from the CUDA-graph
+    replays of ``scripts/bench_mamba_step.py`` on an H100 (Lightning's heads, 23 launches):
+    a verify of one request takes 16 channels on 4 warps (width 7: 7.9 us a layer against
+    9.7 with 32), a verify of several whole heads on 2 warps (batch 16 width 2: 14.5 against
+    23.6; batch 4 width 4: 9.7 against 12.6); decode keeps 32 on 4. Compiled without
+    contraction beyond the written fma, every layout gives decode's y and states bit for bit
+    (tests/test_kernels.py)."""
+    if steps == 1:
+        return min(head_dim, 32), 4
+    if batch == 1:
+        return min(head_dim, 16), 4
+    return min(head_dim, 64), 2
 
 
 def mamba_steps(zxbcdt: torch.Tensor, *, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
