@@ -172,16 +172,19 @@ def test_verify_then_commit_kernels_equal_decode_kernel(mode):
 
 
 @pytest.mark.parametrize("mode", MODES, indirect=True)
-@pytest.mark.parametrize("B", [2, 4, 48])
+@pytest.mark.parametrize("B", [1, 2, 4, 48])
 def test_verify_layouts_equal_decode_steps(mode, B):
-    """With 64-channel heads a verify of several requests runs whole-head programs and decode
-    32-channel ones: the committed states and the outputs are still
-    decode's bit for bit (no contraction beyond the written fma), or speculation would stop
-    being token-exact."""
+    """With 64-channel heads one request's verify and decode share 16-channel programs, and
+    a verify of several requests runs whole heads where their decode runs 32 channels: the
+    committed states and the outputs are decode's bit for bit (no contraction beyond the
+    written fma), so greedy verification compares the logits decoding would make."""
     from blockspec.kernels.mamba_step import commit_verify, mamba_steps, step_config
 
     H, P, N, G, T = 2, 64, 16, 1, 3
-    assert step_config(B, T, P) != step_config(B, 1, P)     # two layouts under test
+    if B == 1:
+        assert step_config(B, T, P) == step_config(B, 1, P) == (16, 4)
+    else:                                                    # two layouts under test
+        assert step_config(B, T, P) == (64, 2) and step_config(B, 1, P) == (32, 4)
     d_inner, C = H * P, H * P + 2 * G * N
     g = torch.Generator().manual_seed(5)
     conv_w = (torch.randn(C, 1, 4, generator=g) * 0.3).to(mode)
@@ -206,3 +209,44 @@ def test_verify_layouts_equal_decode_steps(mode, B):
                       commit=True, **kw) for t in range(T)]
     assert torch.equal(ssm[0], dssm) and torch.equal(conv[0], dconv)
     assert torch.equal(y_verify, torch.stack(ys, dim=1))
+
+
+@pytest.mark.parametrize("mode", MODES, indirect=True)
+@pytest.mark.parametrize("T", [1, 3])
+def test_step_layouts_leave_the_same_states(mode, T):
+    """A request that moves between batch 1 (16-channel programs) and a larger batch (32
+    channels, or whole heads) must carry one state: every layout leaves the same SSM state,
+    conv window and verify scratch bit for bit (the update is elementwise); y may differ only
+    in the sum's last bits."""
+    from blockspec.kernels.mamba_step import mamba_steps
+
+    H, P, N, G, B = 2, 64, 16, 1, 2
+    d_inner, C = H * P, H * P + 2 * G * N
+    g = torch.Generator().manual_seed(11)
+    kw = dict(conv_weight=(torch.randn(C, 1, 4, generator=g) * 0.3).to(mode),
+              conv_bias=(torch.randn(C, generator=g) * 0.1).to(mode),
+              dt_bias=(torch.randn(H, generator=g) * 0.1).to(mode),
+              a_log=(torch.randn(H, generator=g) * 0.5).to(mode),
+              d_skip=torch.randn(H, generator=g).to(mode), heads=H, head_dim=P, state_size=N,
+              groups=G, d_inner=d_inner, steps=T, commit=T == 1)
+    conv0 = torch.randn(B, C, 3, generator=g).to(mode)
+    ssm0 = (torch.randn(B, H, P, N, generator=g) * 0.1).to(mode)
+    zx = torch.randn(B * T, d_inner + C + H, generator=g).to(mode)
+    slots = torch.arange(B, device=mode)
+    outs = []
+    for block_p, warps in ((16, 4), (32, 4), (64, 2)):
+        conv, ssm = conv0.clone(), ssm0.clone()
+        xs = torch.zeros(B, T, C, device=mode)
+        ss = torch.zeros(B, T, H + d_inner + G * N, device=mode)
+        y = mamba_steps(zx, conv_state=conv, ssm_state=ssm, slots=slots, xbc_scratch=xs,
+                        step_scratch=ss, block_p=block_p, num_warps=warps, **kw)
+        outs.append((y, conv, ssm, xs, ss))
+    y0, conv_a, ssm_a, xs_a, ss_a = outs[0]
+    if T == 1:                       # decode wrote the states; a verify, the scratch
+        assert not torch.equal(ssm_a, ssm0) and not torch.equal(conv_a, conv0)
+    else:
+        assert torch.equal(ssm_a, ssm0) and ss_a.abs().sum() > 0 and xs_a.abs().sum() > 0
+    for y, *states in outs[1:]:
+        for got, want in zip(states, (conv_a, ssm_a, xs_a, ss_a)):
+            assert torch.equal(got, want)
+        torch.testing.assert_close(y, y0, rtol=1e-5, atol=1e-6)

@@ -18,15 +18,17 @@ _KERNELS = Path(__file__).with_name("_mamba_step_kernels.py")
 
 def step_config(batch: int, steps: int, head_dim: int) -> tuple[int, int]:
     """(head channels per program, warps) of a ``mamba_steps`` launch, from the CUDA-graph
-    replays of ``scripts/bench_mamba_step.py`` on an H100 (Lightning's heads, 23 launches):
-    a verify of several requests takes whole heads on 2 warps (batch 16 width 2: 14.5 us a
-    layer against 23.6 with 32 channels on 4; batch 4 width 4: 9.7 against 12.6); decode and
-    one request's verify keep 32 channels on 4. Compiled without contraction beyond the
-    written fma, these layouts give decode's y and states bit for bit (tests/test_kernels.py).
-    16 channels on 4 warps would verify one request faster (width 7: 7.9 us against 9.7) and
-    leaves the same states, but its C . state sum runs in another order than decode's, so its
-    y differs in the last bits (the test failed on an H100)."""
-    if steps > 1 and batch > 1:
+    replays of ``scripts/bench_mamba_step.py`` on an H100 (Lightning's heads, 23 launches).
+    One request: 16 channels on 4 warps, decode and verify alike (width 7: 7.9 us a layer
+    against 9.7 with 32; decode 4.7 against 4.8). Several: a verify takes whole heads on 2
+    warps (batch 16 width 2: 14.5 against 23.6; batch 4 width 4: 9.7 against 12.6), decode
+    32 channels on 4. The state update is elementwise, so every layout leaves the same states
+    bit for bit; y's C . state sum follows the layout, so a request's verify must share its
+    decode's layout or give its y anyway (whole heads on 2 warps do; 16 channels on 4 do
+    not: tests/test_kernels.py)."""
+    if batch == 1:
+        return min(head_dim, 16), 4
+    if steps > 1:
         return min(head_dim, 64), 2
     return min(head_dim, 32), 4
 
