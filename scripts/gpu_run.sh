@@ -27,8 +27,9 @@
 #              bench_w4a16_cuda.py against the Triton kernels, whose tile table
 #              (w4a16_cuda_tiles.json) the later stages of the call use (about 6 minutes)
 #   nexttests  the GPU tests that have not run on the current tree: the W4A16 linears (their
-#              small calls now take the CUDA kernel) and the engine's (AR / DFlash / DSpark
-#              against the CPU reference and target-only decoding, every adaptive width)
+#              small calls now take the CUDA kernel), the engine's (AR / DFlash / DSpark
+#              against the CPU reference and target-only decoding, every adaptive width) and
+#              the kernels' (the Mamba step's launch layouts among them)
 #   b16        batch 16: AR and DFlash widths 4-6 pinned and adaptive (256 tokens x 3)
 #   b16prof    graph replays of widths 4 and 5 at batch 16 on the batch's rows, on the cost
 #              table's dummy rows and on one shared slot (profile_step)
@@ -219,7 +220,7 @@ w4a16cuda)
   ;;
 nexttests)
   timeout 540 python3 -m pytest -m gpu tests/test_triton_w4a16.py tests/test_draft_kv.py \
-      tests/test_gpu_engine.py tests/test_gpu_adaptive.py -q -p no:cacheprovider \
+      tests/test_gpu_engine.py tests/test_gpu_adaptive.py tests/test_kernels.py -q -p no:cacheprovider \
       -o addopts="" -rf 2>&1 | tail -40 > "$OUT/gpu_tests_next.log"; tail -8 "$OUT/gpu_tests_next.log"
   ;;
 b16)
