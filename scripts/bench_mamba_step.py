@@ -3,7 +3,9 @@
 num_warps, and ``commit_verify`` (all layers in one launch) over its own. A config is listed
 only if the states it leaves (decode: the SSM state; verify: the scratch the commit replays)
 match the built-in's bit for bit; its y may differ in the last bits (the C . state sum's
-order follows the layout), and "~" marks where it does.
+order follows the layout), and "~" marks where it differs from decode's (the built-in's for
+decode; for a verify, T decode steps at the batch's decode layout: a verify that gives
+another y than decoding would compares other logits).
 
     python scripts/bench_mamba_step.py [--preset nemotron-3.5-lightning] [--batch 1,16,64,128]
         [--widths 1,2,4,6,8] [--out FILE]
@@ -104,6 +106,14 @@ def main() -> None:
             return y, (conv, ssm, xs.clone(), ss.clone())
 
         ref, ref_states = outcome()
+        if not commit:             # the y a verify must give: w decode steps at the batch's
+            conv, ssm = conv0.clone(), ssm0.clone()      # decode layout (its default)
+            rows = x.view(b, w, -1)
+            ref = torch.stack([mamba_steps(
+                rows[:, t], conv_weight=conv_w, conv_bias=conv_b, dt_bias=dt_bias, a_log=a_log,
+                d_skip=d_skip, conv_state=conv, ssm_state=ssm, slots=slots, steps=1, heads=H,
+                head_dim=P, state_size=N, groups=G, d_inner=d_inner, commit=True)
+                for t in range(w)], dim=1).view(b * w, -1)
         work_c, work_s = conv0.clone(), ssm0.clone()     # timing: decode advances these
         base = timed(lambda: run(conv=work_c, ssm=work_s))
         row = []
