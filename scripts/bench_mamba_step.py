@@ -24,33 +24,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from blockspec.bench import presets  # noqa: E402
 from blockspec.bench.jsonl import emit_text  # noqa: E402
+from blockspec.bench.timing import graph_time_ms  # noqa: E402
 from blockspec.kernels.mamba_step import commit_verify, mamba_steps  # noqa: E402
 
 
 def timed(fn, reps: int = 20) -> float:
-    """Mean microseconds of one call, as the device runs it inside a decode step: ``reps``
-    calls captured in one CUDA graph and replayed (back-to-back eager launches would time the
-    host's launch path, ~50-100 us, not the kernel's few). CPU: one call, for a dry run under
-    ``TRITON_INTERPRET=1``."""
+    """Microseconds of one call as the device runs it inside a decode step (``graph_time_ms``:
+    eager launches back to back would time the host's launch path, ~50-100 us, not the
+    kernel's few). CPU: one call, for a dry run under ``TRITON_INTERPRET=1``."""
     if not torch.cuda.is_available():
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
-    fn()                                  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * reps)
+    return graph_time_ms(fn, reps, 5) * 1e3
 
 
 def main() -> None:
@@ -78,6 +64,8 @@ def main() -> None:
     dt_bias = torch.randn(H, device=dev, generator=g) * 0.1
     a_log = torch.randn(H, device=dev, generator=g) * 0.5
     d_skip = torch.randn(H, device=dev, generator=g)
+    layer = dict(conv_weight=conv_w, conv_bias=conv_b, dt_bias=dt_bias, a_log=a_log,
+                 d_skip=d_skip, heads=H, head_dim=P, state_size=N, groups=G, d_inner=d_inner)
     conv0 = torch.randn(S, C, 3, device=dev, dtype=torch.bfloat16, generator=g)
     ssm0 = torch.randn(S, H, P, N, device=dev, generator=g) * 0.1
     xs = torch.zeros(S, Wmax, C, device=dev, dtype=torch.bfloat16)
@@ -91,11 +79,9 @@ def main() -> None:
         commit = w == 1
 
         def run(bp=None, nw=None, conv=None, ssm=None):
-            return mamba_steps(x, conv_weight=conv_w, conv_bias=conv_b, dt_bias=dt_bias,
-                               a_log=a_log, d_skip=d_skip, conv_state=conv, ssm_state=ssm,
-                               slots=slots, steps=w, heads=H, head_dim=P, state_size=N, groups=G,
-                               d_inner=d_inner, commit=commit, xbc_scratch=xs, step_scratch=ss,
-                               block_p=bp, num_warps=nw)
+            return mamba_steps(x, conv_state=conv, ssm_state=ssm, slots=slots, steps=w,
+                               commit=commit, xbc_scratch=xs, step_scratch=ss, block_p=bp,
+                               num_warps=nw, **layer)
 
         def outcome(bp=None, nw=None):
             """y and the states the launch leaves (the scratch too: a verify writes it)."""
@@ -109,11 +95,9 @@ def main() -> None:
         if not commit:             # the y a verify must give: w decode steps at the batch's
             conv, ssm = conv0.clone(), ssm0.clone()      # decode layout (its default)
             rows = x.view(b, w, -1)
-            ref = torch.stack([mamba_steps(
-                rows[:, t], conv_weight=conv_w, conv_bias=conv_b, dt_bias=dt_bias, a_log=a_log,
-                d_skip=d_skip, conv_state=conv, ssm_state=ssm, slots=slots, steps=1, heads=H,
-                head_dim=P, state_size=N, groups=G, d_inner=d_inner, commit=True)
-                for t in range(w)], dim=1).view(b * w, -1)
+            ref = torch.stack([mamba_steps(rows[:, t], conv_state=conv, ssm_state=ssm,
+                                           slots=slots, steps=1, commit=True, **layer)
+                               for t in range(w)], dim=1).view(b * w, -1)
         work_c, work_s = conv0.clone(), ssm0.clone()     # timing: decode advances these
         base = timed(lambda: run(conv=work_c, ssm=work_s))
         row = []

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockspec.bench import draft_presets, presets
-from blockspec.bench.bench_args import RANDOM_DRAFTS, add_arguments
+from blockspec.bench.bench_args import RANDOM_DRAFTS
 from blockspec.bench.engine_bench import run
 from blockspec.configs.draft import parse_draft_config
 from blockspec.layers.linear import Linear

@@ -24,8 +24,9 @@ def step_config(batch: int, steps: int, head_dim: int) -> tuple[int, int]:
     warps (batch 16 width 2: 14.5 against 23.6; batch 4 width 4: 9.7 against 12.6), decode
     32 channels on 4. The state update is elementwise, so every layout leaves the same states
     bit for bit; y's C . state sum follows the layout, so a request's verify must share its
-    decode's layout or give its y anyway (whole heads on 2 warps do; 16 channels on 4 do
-    not: tests/test_kernels.py)."""
+    decode's layout or give its y anyway: whole heads on 2 warps give 32 channels' y
+    (tests/test_kernels.py on the GPU), 16 channels on 4 do not (an H100 run of that test,
+    docs/benchmarks.md), hence one request keeps one layout for both."""
     if batch == 1:
         return min(head_dim, 16), 4
     if steps > 1:
