@@ -217,12 +217,9 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
                                     for _ in range(args.repeats))
         decode = max(statistics.median(r[0] for r in runs) - prefill, 1e-9)
     new_tokens = sum(len(o["output_ids"]) for o in outs) - len(outs)     # first token is prefill's
-    if engine.drafter is not None:
-        steps = max(o["meta_info"]["spec_verify_ct"] for o in outs)
-        width = engine.drafter.width
-        tau = statistics.mean(o["meta_info"]["spec_accept_length"] for o in outs)
-    else:
-        steps, width, tau = max(len(o["output_ids"]) for o in outs) - 1, 1, 1.0
+    width, tau = width_and_accept_length(engine, outs)
+    steps = (max(o["meta_info"]["spec_verify_ct"] for o in outs) if engine.drafter is not None
+             else max(len(o["output_ids"]) for o in outs) - 1)
     step_s = decode / max(steps, 1)
     spec = speculative_fields(engine, batch, outs, decode)
     # adaptive: the weight bytes of a step at the mean width the chooser ran
@@ -239,6 +236,15 @@ def measure(engine, batch: int, args: argparse.Namespace) -> dict:
         "floor_step_ms_at_4.8TBps": float(f"{floor_s * 1e3:.4g}"),
         "pct_of_floor": float(f"{100 * floor_s / step_s:.3g}"),
     }
+
+
+def width_and_accept_length(engine, outs: list[dict]) -> tuple[int, float]:
+    """The verify width a row names (the maximum, for an adaptive engine) and the requests'
+    mean tokens committed per step (1 for plain decoding)."""
+    if engine.drafter is None:
+        return 1, 1.0
+    return (engine.drafter.width,
+            statistics.mean(o["meta_info"]["spec_accept_length"] for o in outs))
 
 
 def speculative_fields(engine, batch: int, outs: list[dict], decode_s: float) -> dict:
@@ -259,9 +265,7 @@ def steady_row(engine, batch: int, args: argparse.Namespace) -> dict:
     """``--steady-state``'s row (``bench/steady_state.py``) with the speculative fields."""
     row, outs = measure_steady(engine, batch, args)
     spec = speculative_fields(engine, batch, outs, row["wall_s"])
-    tau = (statistics.mean(o["meta_info"]["spec_accept_length"] for o in outs)
-           if engine.drafter is not None else 1.0)
-    width = engine.drafter.width if engine.drafter is not None else 1
+    width, tau = width_and_accept_length(engine, outs)
     return {"verify_width": width, "accept_length": round(tau, 3), **row, **spec}
 
 
