@@ -34,7 +34,7 @@ UNIT_K = 64              # K per thread-quad step: one scale group per lane
 TILES = Path(__file__).with_name("w4a16_cuda_tiles.json")
 FALLBACK_TILE = (2, 4, 1, 0)
 MAX_STAGES = 8           # cp.async groups a staged tile may be split into (wait_group 0..7)
-MAX_TILE_SMEM = 160 * 1024   # a staged tile's shared bytes, leaving room for the static ones
+MAX_SHARED = 227 * 1024  # shared bytes a CTA may have on sm_90 (opt-in), static + dynamic
 
 
 def cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int, mode: str) -> bool:
@@ -253,9 +253,12 @@ def _plan(x: torch.Tensor, ids: torch.Tensor, ids_step: int, weight: torch.Tenso
     mt, kw, pf, st = (b if a is None else a for a, b in zip(tile, default_tile(mode, tokens, n, k)))
     if not 0 <= st <= MAX_STAGES:
         raise ValueError(f"w4a16_cuda: stages must be 0..{MAX_STAGES}, got {st}")
-    if tile_smem(mt, k, st) > MAX_TILE_SMEM:
-        raise ValueError(f"w4a16_cuda: a staged tile of {mt} m-tiles at K={k} needs "
-                         f"{tile_smem(mt, k, st)} shared bytes, over {MAX_TILE_SMEM}")
+    nt = 1 if tokens <= 8 else 2
+    # the kernel's static arrays: 3 x 16 ints, and the K-warps' partial sums s_red
+    shared = tile_smem(mt, k, st) + 3 * 16 * 4 + kw * 16 * mt * (8 * nt + 1) * 4
+    if shared > MAX_SHARED:
+        raise ValueError(f"w4a16_cuda: tile {mt}x{kw}x{pf}x{st} at K={k} needs {shared} shared "
+                         f"bytes, over {MAX_SHARED}")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"w4a16_cuda: x must be bf16, got {x.dtype}")
     x = x.contiguous()
@@ -272,7 +275,7 @@ def _plan(x: torch.Tensor, ids: torch.Tensor, ids_step: int, weight: torch.Tenso
     args = [x, ids, ids_step, weight, scale, ws2, out, tokens, topk, n, shared_parts,
             e - shared_parts, int(x_per_pair), int(relu2), int(distinct), int(ws2_rows),
             x.stride(0), weight.stride(0), scale.stride(0), out.stride(0)]
-    return LaunchPlan(mt, 1 if tokens <= 8 else 2, kw, pf, st, k,
+    return LaunchPlan(mt, nt, kw, pf, st, k,
                       (blocks, -(-n // (16 * mt)), 1), (32 * kw, 1, 1), tile_smem(mt, k, st),
                       args, out)
 
