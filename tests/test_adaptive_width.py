@@ -129,33 +129,82 @@ def test_eager_size_is_the_next_power_of_two_within_the_batch_limit():
 
 def test_ewma_update():
     e = AcceptanceEWMA(slots=3, positions=4, device=torch.device("cpu"), alpha=0.5, prior=0.8,
-                       engine_alpha=0.5)
+                       engine_alpha=0.05, engine_prior_n=2.0)
     slot, first = torch.tensor([0, 1]), torch.tensor([0, 0])
     # width 4 (3 drafts verified): row 0 accepted 1 -> pos 0 hit, pos 1 missed, pos 2-3 unseen;
     # row 1 accepted 3 -> pos 0-2 hit, pos 3 (never verified at width 4) unseen
     cols = e.update(slot, first, torch.tensor([1, 3]), width=4)
     assert cols.dtype == torch.float64 and cols.shape == (2, 8)
-    new = cols[:, :4]
-    assert cols[:, 4:].tolist() == [pytest.approx([0.9, 0.65, 0.9, 0.8])] * 2  # the engine row
-    assert new[0].tolist() == pytest.approx([0.9, 0.4, 0.8, 0.8])
-    assert new[1].tolist() == pytest.approx([0.9, 0.9, 0.9, 0.8])
-    assert e.table[0].tolist() == pytest.approx([0.9, 0.4, 0.8, 0.8])
-    # the engine row moves halfway to the batch's rates: pos 0 2/2, pos 1 1/2, pos 2 1/1
-    assert e.engine.tolist() == pytest.approx([0.9, 0.65, 0.9, 0.8])
+    # the engine row: the running mean of the observations (2, 2, 1, 0 of them), the prior
+    # counting as 2: pos 0 (0.8 * 2 + 2) / 4, pos 1 (1.6 + 1) / 4, pos 2 (1.6 + 1) / 3
+    engine = [0.9, 0.65, 2.6 / 3, 0.8]
+    assert e.engine.tolist() == pytest.approx(engine)
+    assert e.engine_n.tolist() == [2.0, 2.0, 1.0, 0.0]
+    assert cols[:, 4:].tolist() == [pytest.approx(engine)] * 2
+    # new rows start from the engine row as the step leaves it, then move halfway to each hit
+    assert cols[0, :4].tolist() == pytest.approx([0.95, 0.325, 2.6 / 3, 0.8])
+    assert cols[1, :4].tolist() == pytest.approx([0.95, 0.825, (2.6 / 3 + 1) / 2, 0.8])
+    assert e.table[0].tolist() == pytest.approx([0.95, 0.325, 2.6 / 3, 0.8])
     # width 1 (nothing verified): nothing changes, the engine row neither
     low = e.update(slot[1:], torch.tensor([1]), torch.tensor([0]), width=1)[:, :4]
-    assert low[0].tolist() == pytest.approx([0.9, 0.9, 0.9, 0.8])
-    assert e.engine.tolist() == pytest.approx([0.9, 0.65, 0.9, 0.8])
-    # a later step of row 0 starts from its row; width 2 verifies only position 0
+    assert low[0].tolist() == pytest.approx([0.95, 0.825, (2.6 / 3 + 1) / 2, 0.8])
+    assert e.engine.tolist() == pytest.approx(engine)
+    # a later step of row 0 starts from its row; width 2 verifies only position 0 (a miss):
+    # the engine row's pos 0 takes 1 / (3 + 2) of it
     again = e.update(slot[:1], torch.tensor([5]), torch.tensor([0]), width=2)[:, :4]
-    assert again[0].tolist() == pytest.approx([0.45, 0.4, 0.8, 0.8])
-    assert e.engine.tolist() == pytest.approx([0.45, 0.65, 0.9, 0.8])
+    assert again[0].tolist() == pytest.approx([0.475, 0.325, 2.6 / 3, 0.8])
+    engine[0] = 0.9 - 0.9 / 5
+    assert e.engine.tolist() == pytest.approx(engine)
     # a new request in a used slot (verify counter 0) starts from the engine row, at width 1 too
     fresh = e.update(slot[:1], torch.tensor([0]), torch.tensor([0]), width=1)[:, :4]
-    assert fresh[0].tolist() == pytest.approx([0.45, 0.65, 0.9, 0.8])
+    assert fresh[0].tolist() == pytest.approx(engine)
     # the dummy slot (padding rows, the last one) never moves the engine row
     e.update(torch.tensor([2, 2]), torch.tensor([3, 3]), torch.tensor([0, 0]), width=4)
-    assert e.engine.tolist() == pytest.approx([0.45, 0.65, 0.9, 0.8])
+    assert e.engine.tolist() == pytest.approx(engine)
+    # once the observations outweigh the prior, a step weighs engine_alpha (an EWMA)
+    many = torch.arange(2)
+    for _ in range(30):
+        e.update(many, torch.tensor([1, 1]), torch.tensor([3, 3]), width=4)
+    before = e.engine[0].item()
+    e.update(many, torch.tensor([1, 1]), torch.tensor([0, 0]), width=4)
+    assert e.engine[0].item() == pytest.approx(before * (1 - 0.05))
+
+
+def test_a_batch_of_new_requests_starts_from_its_own_first_rate():
+    """Fifty new requests verifying at the default rates: after one step the engine row (and
+    with it each new row) is their observed rate, not the prior, so the chooser at a CPU's
+    batch-50 step times keeps the wide width that their 0.98 acceptance pays for."""
+    e = AcceptanceEWMA(slots=51, positions=7, device=torch.device("cpu"))
+    acc = torch.tensor([7] * 49 + [0])          # one request rejects its first draft
+    cols = e.update(torch.arange(50), torch.zeros(50, dtype=torch.long), acc, width=8)
+    assert e.engine[0].item() == pytest.approx((0.8 * 4 + 49) / 54)
+    cost = CostTable()
+    for w, ms in enumerate([36.2, 111.6, 131.9, 141.1, 168.2, 199.5, 174.6, 202.1], 1):
+        cost.measured[(50, w)] = ms / 1e3             # 2-core CPU, demo family, batch 50
+    chooser = WidthChooser(range(1, 9), cost)
+    chooser.observe(cols[:, :7].tolist(), cols[0, 7:].tolist())
+    assert chooser.choose(50) >= 7
+    old = AcceptanceEWMA(slots=51, positions=7, device=torch.device("cpu"), engine_prior_n=1e9)
+    cols = old.update(torch.arange(50), torch.zeros(50, dtype=torch.long), acc, width=8)
+    chooser = WidthChooser(range(1, 9), cost)
+    chooser.observe(cols[:, :7].tolist(), cols[0, 7:].tolist())
+    assert chooser.choose(50) == 1        # rows started from the prior: held at plain decoding
+
+
+def test_the_chooser_explores_at_the_widest_width_until_a_step_is_read_back():
+    """Before any verify the prior is all the chooser has; at a CPU's batch-50 step times it
+    would pick width 1, where nothing is ever measured. So the first steps (those launched
+    before the first read-back) run the widest width."""
+    cost = CostTable()
+    for w, ms in enumerate([36.2, 111.6, 131.9, 141.1, 168.2, 199.5, 174.6, 202.1], 1):
+        cost.measured[(50, w)] = ms / 1e3
+    chooser = WidthChooser(range(1, 9), cost)
+    assert [chooser.choose(50) for _ in range(3)] == [8, 8, 8]
+    chooser.observe([[0.8] * 7] * 50)            # the prior itself, read back: width 1 wins
+    assert chooser.choose(50) == 1
+    forced = WidthChooser(range(1, 9), cost)
+    forced.force = iter([3])
+    assert forced.choose(50) == 3                # a forced width still rules
 
 
 def test_chooser_pools_the_rows_with_the_engine_row():
@@ -355,7 +404,7 @@ def test_bench_reports_widths_and_simulates_at_any_width(profile, monkeypatch):
     from blockspec.bench.bench_args import add_arguments
     from blockspec.bench.engine_bench import run
 
-    def measure(self, bs, width, run, device, reps=1):
+    def measure(self, bs, width, run, device, reps=1, warm=True):
         self.measured[(bs, width)] = _cost(4, bs).measured[(bs, width)]
         return self.measured[(bs, width)]
 
@@ -413,7 +462,7 @@ class _EagerGraphs:
 def test_graph_bookkeeping_per_width(target, kind, block, monkeypatch):
     root, folder, ref = target
 
-    def measure(self, bs, width, replay, device, reps=3):   # no CUDA clock: a fixed shape
+    def measure(self, bs, width, replay, device, reps=3, warm=True):   # no CUDA clock: fixed
         replay()
         self.measured[(bs, width)] = 1.0 + 0.1 * width + 0.01 * bs * width
 
@@ -449,7 +498,7 @@ class _ModeGraphs(_EagerGraphs):
 def test_graphs_are_captured_without_autograd(target, kind, block, monkeypatch):
     root, folder, ref = target
     monkeypatch.setattr(CostTable, "measure",
-                        lambda self, bs, width, replay, device, reps=3: replay())
+                        lambda self, bs, width, replay, device, reps=3, warm=True: replay())
     e = _engine(root, folder, kind, block)
     e.runner.graphs = _ModeGraphs(4)
     e.runner.host_max_seq_len = 512

@@ -51,7 +51,7 @@ def test_the_chooser_leaves_a_width_the_startup_table_overpriced():
     for w, ms in enumerate(startup, 1):
         cost.measured[(16, w)] = ms / 1e3
     chooser = WidthChooser(range(1, 9), cost)
-    chooser.p = list(PUBLISHED)
+    chooser.observe([list(PUBLISHED)])          # a read-back row at the published profile
     assert chooser.choose(16) == 4
     picks = []
     for _ in range(400):

@@ -52,17 +52,21 @@ def test_commit_fused_equals_reference(workers, mode, adaptive, bs, pad, width):
     if adaptive:
         w.ewma.table.copy_(torch.rand(w.ewma.table.shape, generator=g))
         w.ewma.engine.copy_(torch.rand(w.ewma.engine.shape, generator=g))
+        # observation counts 0-60: the running mean's first weights and the EWMA past them
+        w.ewma.engine_n.copy_(torch.randint(0, 61, w.ewma.engine_n.shape, generator=g))
     table = w.ewma.table.clone().to(mode) if adaptive else None
     engine = w.ewma.engine.clone().to(mode) if adaptive else None
+    engine_n = w.ewma.engine_n.clone().to(mode) if adaptive else None
     # the step inputs are rows of one int64 block, as StepInputs keeps them (offset views)
     block = torch.stack([inp[k] for k in FIELDS]).to(mode)
     dev = {k: block[i] for i, k in enumerate(FIELDS)}
 
     want_toks, want = w.commit_reference(inp, acc, bonus, drafts, width)
     toks, got = spec_commit_fused(acc.to(mode), bonus.to(mode), drafts.to(mode), dev, table,
-                                  engine, width=width, gamma=w.gamma, dummy=dummy,
+                                  engine, engine_n, width=width, gamma=w.gamma, dummy=dummy,
                                   alpha=w.ewma.alpha if adaptive else 0.0,
-                                  engine_alpha=w.ewma.engine_alpha if adaptive else 0.0)
+                                  engine_alpha=w.ewma.engine_alpha if adaptive else 0.0,
+                                  engine_prior_n=w.ewma.engine_prior_n if adaptive else 0.0)
     assert torch.equal(toks.cpu(), want_toks)
     assert got.shape == want.shape and got.dtype == torch.float64
     assert torch.equal(got.cpu()[:, :1 + 2 * width], want[:, :1 + 2 * width])
@@ -71,6 +75,7 @@ def test_commit_fused_equals_reference(workers, mode, adaptive, bs, pad, width):
         assert torch.equal(dev[k].cpu(), inp[k]), k
     if adaptive:
         torch.testing.assert_close(engine.cpu(), w.ewma.engine, rtol=0, atol=1e-6)
+        assert torch.equal(engine_n.cpu(), w.ewma.engine_n)
         torch.testing.assert_close(table.cpu()[:-1], w.ewma.table[:-1], rtol=0, atol=1e-6)
     # the check can fail: the inputs moved (real rows only) and the bonus is committed
     live = inp["slot"] != dummy

@@ -7,8 +7,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _spec_commit_kernel(ACC, BONUS, DRAFTS, SLOT, CTR, TOKEN, PREFIX, SCTR, TABLE, ENGINE, OUT,
-                        TOKS, B, s_d, dummy, alpha, engine_alpha, T: tl.constexpr,
+def _spec_commit_kernel(ACC, BONUS, DRAFTS, SLOT, CTR, TOKEN, PREFIX, SCTR, TABLE, ENGINE,
+                        ENGINE_N, OUT, TOKS, B, s_d, dummy, alpha, engine_alpha,
+                        engine_prior_n, T: tl.constexpr,
                         G: tl.constexpr, HAS_EWMA: tl.constexpr, BLOCK_B: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
     rb = tl.arange(0, BLOCK_B)
@@ -38,19 +39,25 @@ def _spec_commit_kernel(ACC, BONUS, DRAFTS, SLOT, CTR, TOKEN, PREFIX, SCTR, TABL
     jg = jg1[None, :]
     mg = bm & (jg < G)
     if HAS_EWMA:
-        eng = tl.load(ENGINE + jg1, mask=jg1 < G, other=0.0)
-        row = tl.load(TABLE + slot * G + jg, mask=mg, other=0.0)
-        prev = tl.where(ctr == 0, eng[None, :], row)
+        # the engine row first (the running mean of every observation, the prior counting as
+        # engine_prior_n, until a step weighs less than engine_alpha), then the rows: a
+        # request's first step starts from the engine row as this step leaves it
         tested = (jg <= a) & (jg < T - 1)
         hit = (jg < a).to(tl.float32)
-        new = tl.where(tested, prev + alpha * (hit - prev), prev)
-        tl.store(TABLE + slot * G + jg, new, mask=mg)
         seen = (tested & (slot != dummy) & mg).to(tl.float32)
         n = tl.reduce(seen, 0, tl.standard._sum_combine)
         hits = tl.reduce(hit * seen, 0, tl.standard._sum_combine)
         rate = hits / tl.maximum(n, 1.0)
-        eng = tl.where(n > 0, eng + engine_alpha * (rate - eng), eng)
+        eng = tl.load(ENGINE + jg1, mask=jg1 < G, other=0.0)
+        eng_n = tl.load(ENGINE_N + jg1, mask=jg1 < G, other=0.0) + n
+        weight = tl.maximum(n / (eng_n + engine_prior_n), engine_alpha)
+        eng = tl.where(n > 0, eng + weight * (rate - eng), eng)
         tl.store(ENGINE + jg1, eng, mask=jg1 < G)
+        tl.store(ENGINE_N + jg1, eng_n, mask=jg1 < G)
+        row = tl.load(TABLE + slot * G + jg, mask=mg, other=0.0)
+        prev = tl.where(ctr == 0, eng[None, :], row)
+        new = tl.where(tested, prev + alpha * (hit - prev), prev)
+        tl.store(TABLE + slot * G + jg, new, mask=mg)
         tl.store(row_out + 1 + 2 * T + jg, new.to(tl.float64), mask=mg)
         tl.store(row_out + 1 + 2 * T + G + jg, (new * 0.0 + eng[None, :]).to(tl.float64),
                  mask=mg)

@@ -15,13 +15,15 @@ _KERNELS = Path(__file__).with_name("_spec_commit_kernels.py")
 
 def spec_commit_fused(acc: torch.Tensor, bonus: torch.Tensor, drafts: torch.Tensor,
                       inp: dict[str, torch.Tensor], table: torch.Tensor | None,
-                      engine: torch.Tensor | None, *, width: int, gamma: int, dummy: int,
-                      alpha: float, engine_alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      engine: torch.Tensor | None, engine_n: torch.Tensor | None, *,
+                      width: int, gamma: int, dummy: int, alpha: float,
+                      engine_alpha: float, engine_prior_n: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(committed tokens [B, width] int64, output [B, 1 + 2 width + 2 gamma] fp64: accepted
     drafts, tokens, zero logprobs, the rows' EWMA and the engine row). Updates ``table``
-    [slots, gamma] / ``engine`` [gamma] (None: a fixed width, EWMA columns zero) and advances
-    ``inp``'s token, prefix, sample_ctr and verify_ctr in place, as
-    ``SpecWorker.commit_reference`` does."""
+    [slots, gamma] / ``engine`` [gamma] and its sample counts ``engine_n`` [gamma] (all None:
+    a fixed width, EWMA columns zero) and advances ``inp``'s token, prefix, sample_ctr and
+    verify_ctr in place, as ``SpecWorker.commit_reference`` does."""
     bs = acc.shape[0]
     toks = torch.empty(bs, width, dtype=torch.int64, device=acc.device)
     out = torch.empty(bs, 1 + 2 * width + 2 * gamma, dtype=torch.float64, device=acc.device)
@@ -33,8 +35,9 @@ def spec_commit_fused(acc: torch.Tensor, bonus: torch.Tensor, drafts: torch.Tens
     load_kernels(_KERNELS)._spec_commit_kernel[(1,)](
         acc.contiguous(), bonus.contiguous(), d, inp["slot"], inp["verify_ctr"], inp["token"],
         inp["prefix"], inp["sample_ctr"], table if has_ewma else out,
-        engine if has_ewma else out, out, toks, bs, d.stride(0) if drafts.numel() else 0,
-        int(dummy), float(alpha), float(engine_alpha), T=width, G=gamma, HAS_EWMA=has_ewma,
+        engine if has_ewma else out, engine_n if has_ewma else out, out, toks, bs, d.stride(0) if drafts.numel() else 0,
+        int(dummy), float(alpha), float(engine_alpha), float(engine_prior_n), T=width, G=gamma,
+        HAS_EWMA=has_ewma,
         BLOCK_B=next_pow2(bs), BLOCK_T=next_pow2(width), BLOCK_G=next_pow2(max(gamma, 1)),
         **({} if interpreting() else {"num_warps": 4 if bs * (width + gamma) <= 4096 else 8}))
     return toks, out

@@ -32,7 +32,10 @@ w chosen for the whole batch to maximise expected committed tokens per second.
   verify counts spread more at a wider width, which costs more than the expected gain of a
   near-tie (docs/benchmarks.md); a lone request has no spread. No host sync is added: with
   launch-ahead, step k + 1 is launched before step k is read back, so its width uses the EWMA
-  of step k - 1.
+  of step k - 1. Until the first step is read back the chooser takes the widest width: the
+  prior (``PRIOR``) is a guess, and had it picked width 1 (a CPU at batch 50 prices width 8
+  at 5.6 width-1 steps) no position would ever be measured; the engine row begins as a
+  running mean for the same reason.
 """
 from __future__ import annotations
 
@@ -48,10 +51,14 @@ WIDTH_BUDGET = 8
 # share, and the verify rows at which a step's compute matches its weight reads (a placeholder
 # shape, not a measurement)
 DRAFT_SHARE, ROWS_KNEE = 0.15, 256.0
-GRAPH_REPS, EAGER_REPS = 5, 2   # timed steps per cost-table entry (an eager CPU step: tens of ms)
+# timed steps per cost-table entry: a graph replay after an untimed one; an eager step (a CPU:
+# tens of ms, eight widths at every size a batch passes through, the live steps refining it)
+# once, its first run
+GRAPH_REPS, EAGER_REPS = 5, 1
 LIVE_ALPHA = 0.1        # the cost table's EWMA rate over the engine's own timed steps
 PRIOR = 0.8             # the engine row before any verify (every position)
 ENGINE_ALPHA = 0.05     # the engine row's EWMA rate per step (the rows': 0.25)
+ENGINE_PRIOR_N = 4.0    # observations the prior counts as in the engine row's first mean
 ENGINE_WEIGHT = 4.0     # request rows' worth of the engine row in the chooser's pooled p
 PROBE_EVERY = 32        # at most every this many choices, one width wider than the best
 PROBE_SHARE = 0.01      # the probes' extra step time, as a share of the steps' time
@@ -88,14 +95,21 @@ def expected_tokens(p: Sequence[float], width: int) -> float:
 
 class AcceptanceEWMA:
     """Per slot, per draft position acceptance EWMA on the device ([slots, W - 1] fp32; the
-    last slot is the dummy rows' and never feeds the engine row), and the engine row [W - 1]."""
+    last slot is the dummy rows' and never feeds the engine row), and the engine row [W - 1].
+    The engine row starts as the running mean of every observation, the prior counting as
+    ``ENGINE_PRIOR_N`` of them, and turns into its EWMA once a step would weigh less than
+    ``engine_alpha``: a prior is a guess, and one that outweighs the first verifies can hold
+    the chooser at width 1, where nothing is observed. A request's row starts from the engine
+    row as this step leaves it, so a batch of new requests starts from its own first rate."""
 
     def __init__(self, slots: int, positions: int, device: torch.device, alpha: float = 0.25,
-                 prior: float = PRIOR, engine_alpha: float = ENGINE_ALPHA) -> None:
-        self.alpha, self.engine_alpha = alpha, engine_alpha
+                 prior: float = PRIOR, engine_alpha: float = ENGINE_ALPHA,
+                 engine_prior_n: float = ENGINE_PRIOR_N) -> None:
+        self.alpha, self.engine_alpha, self.engine_prior_n = alpha, engine_alpha, engine_prior_n
         self.table = torch.full((slots, max(positions, 1)), prior, dtype=torch.float32,
                                 device=device)
         self.engine = torch.full((max(positions, 1),), prior, dtype=torch.float32, device=device)
+        self.engine_n = torch.zeros_like(self.engine)    # observations of each position
         self.dummy = slots - 1
         self._pos = torch.arange(self.table.shape[1], device=device)
 
@@ -103,20 +117,23 @@ class AcceptanceEWMA:
                width: int) -> torch.Tensor:
         """Fold one step (``accepted`` drafts of ``width - 1`` verified) into the rows of
         ``slot`` and into the engine row; a request's first step (``verify_ctr`` 0) starts
-        from the engine row. Returns what the step reports, [B, 2P] fp64: the rows' new values,
+        from the engine row as this step leaves it. Returns what the step reports, [B, 2P] fp64: the rows' new values,
         then the new engine row in every row. (A speculative step on CUDA runs this inside
         ``kernels/spec_commit.py``'s launch.)"""
-        prev = torch.where(verify_ctr[:, None] == 0, self.engine[None], self.table[slot])
         j, a = self._pos[None], accepted[:, None]
         tested = (j <= a) & (j < width - 1)     # nothing at width 1: only new rows change
-        hit = (j < a).to(prev.dtype)
-        new = torch.where(tested, prev + self.alpha * (hit - prev), prev)
-        self.table[slot] = new
-        seen = (tested & (slot != self.dummy)[:, None]).to(prev.dtype)
+        hit = (j < a).to(self.engine.dtype)
+        # the engine row first: the running mean of every observation (the prior counting as
+        # engine_prior_n) until a step would weigh less than engine_alpha
+        seen = (tested & (slot != self.dummy)[:, None]).to(hit.dtype)
         n = seen.sum(0)
         rate = (hit * seen).sum(0) / n.clamp_min(1.0)
-        step = torch.where(n > 0, self.engine_alpha * (rate - self.engine), 0.0)
-        self.engine.add_(step)
+        self.engine_n.add_(n)
+        weight = (n / (self.engine_n + self.engine_prior_n)).clamp_min(self.engine_alpha)
+        self.engine.add_(torch.where(n > 0, weight * (rate - self.engine), 0.0))
+        prev = torch.where(verify_ctr[:, None] == 0, self.engine[None], self.table[slot])
+        new = torch.where(tested, prev + self.alpha * (hit - prev), prev)
+        self.table[slot] = new
         return torch.cat([new, self.engine[None].expand_as(new)], dim=1).double()
 
 
@@ -144,16 +161,17 @@ class CostTable:
         return 1.0 + (DRAFT_SHARE if width > 1 else 0.0) + bs * width / ROWS_KNEE
 
     def measure(self, bs: int, width: int, run: Callable[[], object], device: torch.device,
-                reps: int = GRAPH_REPS) -> float:
+                reps: int = GRAPH_REPS, warm: bool = True) -> float:
         """The median of ``reps`` timed runs of a step on the dummy rows (a graph replay or an
-        eager step), after one untimed: one slow run (a clock change, another process) does
-        not skew the table."""
+        eager step), after one untimed (``warm``): one slow run (a clock change, another
+        process) does not skew the table."""
         def sync() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-        run()
-        sync()
+        if warm:
+            run()
+            sync()
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -224,6 +242,7 @@ class WidthChooser:
         self.probe_share = probe_share
         self.blind_margin, self.tie_margin = blind_margin, tie_margin
         self.force: Iterator[int] | None = None
+        self._read_back = False  # no step's acceptance read back yet: explore at the widest
         self._since_probe = 0
         self._bank = 0.0        # step time saved up for the next probe's extra cost
 
@@ -233,6 +252,7 @@ class WidthChooser:
         the rows' sum plus ``engine_weight`` times the engine row, over their count."""
         if not rows:
             return
+        self._read_back = True
         k = self.engine_weight
         if engine is None:
             engine, k = [0.0] * len(rows[0]), 0.0
@@ -255,6 +275,8 @@ class WidthChooser:
             return self.fit(next(self.force))
         if len(self.widths) == 1:
             return self.widths[0]
+        if not self._read_back:     # the prior is a guess: the first steps measure every position
+            return self.max_width
         best = self._best(bs, self.p)
         if best == 1 and self.blind_margin:     # plain decoding verifies, so learns, nothing
             best = self._best(bs, [min(1.0, self.p[0] + self.blind_margin / bs ** 0.5),

@@ -130,13 +130,13 @@ class SpecWorker:
         if padded is not None:
             for w in self.widths:
                 runner.ensure_graph(f"spec{w}", key, padded, self._fns[w])
-            sizes, reps = [s for s in graphs.sizes if s <= padded], GRAPH_REPS
+            sizes, reps, warm = [s for s in graphs.sizes if s <= padded], GRAPH_REPS, True
 
             def run(size: int, w: int) -> object:
                 return graphs.replay((f"spec{w}", key, size))
         elif self.target.tp.size == 1:
             runner.reserve_buffers(batch)
-            sizes, reps = [eager_size(batch.size, runner.inputs.max_bs)], EAGER_REPS
+            sizes, reps, warm = [eager_size(batch.size, runner.inputs.max_bs)], EAGER_REPS, False
 
             def run(size: int, w: int) -> object:
                 runner.host_max_seq_len = w      # the dummy rows' context: their verify block
@@ -151,7 +151,7 @@ class SpecWorker:
                                                      generator=g))
         for size, w in todo:
             self.cost.measure(size, w, lambda size=size, w=w: run(size, w), self.memory.device,
-                              reps)
+                              reps, warm)
 
     def begin(self, batch: StepBatch | None, prev: Launched | None = None) -> Pending:
         """A constrained step's draft and verify forwards (``runtime/phases.py``); its verify
@@ -316,10 +316,12 @@ class SpecWorker:
         """``commit_reference`` as one Triton launch (``kernels/spec_commit.py``)."""
         e = self.ewma
         return spec_commit_fused(acc, bonus, drafts, inp, None if e is None else e.table,
-                                 None if e is None else e.engine, width=width, gamma=self.gamma,
+                                 None if e is None else e.engine,
+                                 None if e is None else e.engine_n, width=width, gamma=self.gamma,
                                  dummy=self.memory.dummy_slot,
                                  alpha=e.alpha if e else 0.0,
-                                 engine_alpha=e.engine_alpha if e else 0.0)
+                                 engine_alpha=e.engine_alpha if e else 0.0,
+                                 engine_prior_n=e.engine_prior_n if e else 0.0)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the draft rows: the worker's NVFP4 head copy if it made one, else
