@@ -51,9 +51,9 @@ WIDTH_BUDGET = 8
 # share, and the verify rows at which a step's compute matches its weight reads (a placeholder
 # shape, not a measurement)
 DRAFT_SHARE, ROWS_KNEE = 0.15, 256.0
-# timed steps per cost-table entry: a graph replay after an untimed one; an eager step (a CPU:
-# tens of ms, eight widths at every size a batch passes through, the live steps refining it)
-# once, its first run
+# timed steps per cost-table entry: graph replays after an untimed one; an eager step once,
+# untimed runs none (on a CPU tens of ms each, eight widths at every size a batch drains
+# through; the live steps refine the entry)
 GRAPH_REPS, EAGER_REPS = 5, 1
 LIVE_ALPHA = 0.1        # the cost table's EWMA rate over the engine's own timed steps
 PRIOR = 0.8             # the engine row before any verify (every position)
@@ -117,9 +117,9 @@ class AcceptanceEWMA:
                width: int) -> torch.Tensor:
         """Fold one step (``accepted`` drafts of ``width - 1`` verified) into the rows of
         ``slot`` and into the engine row; a request's first step (``verify_ctr`` 0) starts
-        from the engine row as this step leaves it. Returns what the step reports, [B, 2P] fp64: the rows' new values,
-        then the new engine row in every row. (A speculative step on CUDA runs this inside
-        ``kernels/spec_commit.py``'s launch.)"""
+        from the engine row as this step leaves it. Returns what the step reports, [B, 2P]
+        fp64: the rows' new values, then the new engine row in every row. (A speculative step
+        on CUDA runs this inside ``kernels/spec_commit.py``'s launch.)"""
         j, a = self._pos[None], accepted[:, None]
         tested = (j <= a) & (j < width - 1)     # nothing at width 1: only new rows change
         hit = (j < a).to(self.engine.dtype)
