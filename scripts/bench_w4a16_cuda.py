@@ -72,19 +72,16 @@ def _time(fn, calls: int, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,4,7,8,16")
-    # the register tiles that won a shape on the H200 (2026-12-05), then staged ones
-    ap.add_argument("--tiles", default="1x4x1,2x4x1,4x4x1,2x2x1,2x8x2,1x8x2,1x16x1,1x16x2,"
-                                       "1x2x1x2,1x4x1x2,1x4x1x4,1x8x1x2,1x8x1x4,1x16x1x4,"
-                                       "2x2x1x2,2x4x1x2,2x4x1x4,2x8x1x2,2x8x1x4,4x4x1x4",
-                    help="CUDA tile shapes m_tiles x k_warps x prefetch [x stages: 0 = "
-                         "registers, else the tile staged in shared memory in that many groups]")
+    ap.add_argument("--tiles", default="1x4x1,2x4x1,2x8x1,1x8x1,4x4x1,2x2x1,1x4x2,2x4x2,"
+                                       "2x8x2,2x4x3,1x8x2,1x16x1,1x16x2",
+                    help="CUDA tile shapes m_tiles x k_warps x prefetch")
     ap.add_argument("--dense-rows", default="1,7,8")
     ap.add_argument("--calls", type=int, default=23)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--write-table", default=None, help="write the picks as a tile table here")
     args = ap.parse_args()
     picks: list[dict] = []
-    tiles = [(*(int(v) for v in t.split("x")), 0)[:4] for t in args.tiles.split(",")]
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     for proj, (n, k) in SHAPES.items():
         w, s, s2 = _stack(n, k)
         ws2 = s2.float()
@@ -108,10 +105,10 @@ def main() -> None:
                            "rows": rows})
 
             runs = [("triton", triton)]
-            for mt, kw, pf, st in tiles:
-                runs.append((f"cuda {mt}x{kw}x{pf}x{st}", lambda i, mt=mt, kw=kw, pf=pf, st=st:
+            for mt, kw, pf in tiles:
+                runs.append((f"cuda {mt}x{kw}x{pf}", lambda i, mt=mt, kw=kw, pf=pf:
                              tc.pair_w4a16_cuda(xs[i], ids[i], w, s, ws2, rows=rows, m_tiles=mt,
-                                                k_warps=kw, prefetch=pf, stages=st, **common)))
+                                                k_warps=kw, prefetch=pf, **common)))
             picks.append(_report({"proj": proj, "tokens": tokens}, runs, args, expert_bytes,
                                  distinct) | {"mode": "pairs", "n": n, "k": k})
     picks += dense(args, tiles)
@@ -149,12 +146,12 @@ def dense(args, tiles) -> list[dict]:
             runs = [("triton", lambda i: tw.w4a16_linear(
                 x, ws[i % copies][0][0], ws[i % copies][1][0], scales[i % copies],
                 variant="v2"))]
-            for mt, kw, pf, st in tiles:
-                runs.append((f"cuda {mt}x{kw}x{pf}x{st}", lambda i, mt=mt, kw=kw, pf=pf, st=st:
+            for mt, kw, pf in tiles:
+                runs.append((f"cuda {mt}x{kw}x{pf}", lambda i, mt=mt, kw=kw, pf=pf:
                              tc.dense_w4a16_cuda(x, ws[i % copies][0][0], ws[i % copies][1][0],
                                                  scales[i % copies].reshape(-1).float(),
                                                  relu2=False, m_tiles=mt, k_warps=kw,
-                                                 prefetch=pf, stages=st)))
+                                                 prefetch=pf)))
             picks.append(_report({"proj": name, "tokens": rows}, runs, args, wbytes, 1.0)
                          | {"mode": "dense", "n": n, "k": k})
     return picks

@@ -24,9 +24,8 @@
 #   itl        streams' inter-token latency while a 32k prompt prefills (chunks 64, 128)
 #   prefixc    prefix cache: multi-turn batch 1 and 16 to 32k; agentic with DFlash
 #   w4a16cuda  the W4A16 CUDA kernel (MoE pairs, dense up to 16 rows): its GPU tests and
-#              bench_w4a16_cuda.py (register and staged tiles) against the Triton kernels,
-#              whose tile table (w4a16_cuda_tiles.json) the later stages of the call use
-#              (about 8 minutes: a call of its own)
+#              bench_w4a16_cuda.py against the Triton kernels, whose tile table
+#              (w4a16_cuda_tiles.json) the later stages of the call use (about 6 minutes)
 #   nexttests  the GPU tests that have not run on the current tree: the W4A16 linears (their
 #              small calls now take the CUDA kernel), the engine's (AR / DFlash / DSpark
 #              against the CPU reference and target-only decoding, every adaptive width) and
@@ -210,10 +209,10 @@ prefixc)
       2>>"$OUT/stderr.log" >/dev/null
   ;;
 w4a16cuda)
-  timeout 170 python3 -m pytest -m gpu tests/test_pair_w4a16.py \
+  timeout 120 python3 -m pytest -m gpu tests/test_pair_w4a16.py \
       -q -p no:cacheprovider -o addopts="" -rf 2>&1 | tail -30 > "$OUT/gpu_tests_w4a16cuda.log"
   tail -3 "$OUT/gpu_tests_w4a16cuda.log"
-  timeout 380 python3 scripts/bench_w4a16_cuda.py --write-table "$OUT/w4a16_cuda_tiles.json" \
+  timeout 240 python3 scripts/bench_w4a16_cuda.py --write-table "$OUT/w4a16_cuda_tiles.json" \
       > "$OUT/bench_w4a16cuda.jsonl" 2> "$OUT/bench_w4a16cuda_summary.txt"
   cat "$OUT/bench_w4a16cuda_summary.txt"
   # later stages of this call dispatch by the fresh table (commit it from $OUT to keep it)

@@ -195,12 +195,11 @@ def test_dense_relu2_epilogue_gpu(m):
 
 
 def test_tile_table_picks_tiles_and_hands_calls_back_to_triton(tmp_path, monkeypatch):
-    """The bench's table: a shape's best tile (three numbers: no stages), the next measured
-    token count up (the largest past them), FALLBACK_TILE for shapes it lacks, and no CUDA
-    where Triton measured faster."""
+    """The bench's table: a shape's best tile, the next measured token count up (the largest
+    past them), FALLBACK_TILE for shapes it lacks, and no CUDA where Triton measured faster."""
     bench = _script("bench_w4a16_cuda")
     picks = [dict(mode="pairs", n=1856, k=2688, tokens=t, best=b, best_us=u, triton_us=9.0)
-             for t, b, u in ((1, "cuda 2x4x2", 5.0), (7, "cuda 1x8x1x4", 8.0), (4, "cuda 2x4x1", 6.0))]
+             for t, b, u in ((1, "cuda 2x4x2", 5.0), (7, "cuda 1x8x1", 8.0), (4, "cuda 2x4x1", 6.0))]
     picks.append(dict(mode="dense", n=2688, k=4096, tokens=8, best="cuda 1x16x1", best_us=7.0,
                       triton_us=6.5))
     table = tmp_path / "tiles.json"
@@ -209,7 +208,7 @@ def test_tile_table_picks_tiles_and_hands_calls_back_to_triton(tmp_path, monkeyp
     tc.tile_table.cache_clear()
     try:
         assert [tc.default_tile("pairs", t, 1856, 2688) for t in (1, 2, 4, 5, 7, 16)] == [
-            (2, 4, 2, 0), (2, 4, 1, 0), (2, 4, 1, 0), (1, 8, 1, 4), (1, 8, 1, 4), (1, 8, 1, 4)]
+            (2, 4, 2), (2, 4, 1), (2, 4, 1), (1, 8, 1), (1, 8, 1), (1, 8, 1)]
         assert tc.default_tile("pairs", 1, 2688, 1856) == tc.FALLBACK_TILE    # not measured
         assert tc.measured_tile("dense", 8, 2688, 4096) == "triton"           # Triton faster
         cuda_x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
@@ -231,12 +230,11 @@ def test_cuda_pairs_only_for_cuda_tensors():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("m_tiles, k_warps, prefetch, stages",
-                         [(1, 4, 1, 0), (2, 4, 1, 0), (2, 8, 1, 0), (2, 4, 2, 0), (1, 16, 2, 0),
-                          (1, 4, 1, 2), (2, 4, 1, 4), (2, 8, 1, 1), (4, 8, 1, 8)])
+@pytest.mark.parametrize("m_tiles, k_warps, prefetch",
+                         [(1, 4, 1), (2, 4, 1), (2, 8, 1), (2, 4, 2), (1, 16, 2)])
 @pytest.mark.parametrize("n, k", [(200, 320), (1856, 2688)])
 @pytest.mark.parametrize("tokens", [1, 5, 8, 9, 16])
-def test_cuda_pair_kernel_tiles_gpu(m_tiles, k_warps, prefetch, stages, n, k, tokens):
+def test_cuda_pair_kernel_tiles_gpu(m_tiles, k_warps, prefetch, n, k, tokens):
     """Every tile shape against the reference: N not a multiple of the tile, K an odd number
     of 64-wide units, int32 ids, one or two MMA tiles of tokens, shared slices riding."""
     e, topk, shared = 24, 4, 2
@@ -247,7 +245,7 @@ def test_cuda_pair_kernel_tiles_gpu(m_tiles, k_warps, prefetch, stages, n, k, to
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     xp = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     kw = dict(distinct=True, shared_parts=shared, rows=rows, m_tiles=m_tiles, k_warps=k_warps,
-              prefetch=prefetch, stages=stages)
+              prefetch=prefetch)
     up = tc.pair_w4a16_cuda(x, ids, w, s, ws2, x_per_pair=False, relu2=True, **kw)
     dn = tc.pair_w4a16_cuda(xp, ids, w, s, ws2, x_per_pair=True, relu2=False, **kw)
     ref_up = tw.pair_w4a16_reference(x, ids, w, s, s2, relu2=True, shared_parts=shared)
@@ -255,33 +253,6 @@ def test_cuda_pair_kernel_tiles_gpu(m_tiles, k_warps, prefetch, stages, n, k, to
     assert up.shape == ref_up.shape and _rel(up, ref_up) <= 1e-2
     assert bool((up >= 0).all())
     assert dn.shape == ref_dn.shape and _rel(dn, ref_dn) <= 1e-2
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("n, k", [(1856, 2688), (2688, 1856)])
-def test_cuda_staged_tiles_give_the_register_bits_gpu(n, k):
-    """On the GPU too a staged tile (cp.async into shared memory, past 48 KiB at 2 and 4
-    m-tiles) writes the register ring's bits, for pairs and the dense mode."""
-    e, topk, shared = 24, 6, 2
-    w, s, s2 = _experts(e, n, k, seed=k, device="cuda")
-    ws2 = s2.reshape(e).float()
-    ids = _ids(7, topk, e - shared, seed=7, device="cuda", shared=1).int()
-    x = torch.randn(7, k, device="cuda", dtype=torch.bfloat16)
-    kw = dict(distinct=True, shared_parts=shared, rows=7 * (topk + shared), x_per_pair=False,
-              relu2=True)
-    for mt, kwarps in [(1, 4), (2, 4), (4, 8)]:
-        base = tc.pair_w4a16_cuda(x, ids, w, s, ws2, m_tiles=mt, k_warps=kwarps, prefetch=1,
-                                  stages=0, **kw)
-        for st in (1, 4):
-            y = tc.pair_w4a16_cuda(x, ids, w, s, ws2, m_tiles=mt, k_warps=kwarps, prefetch=1,
-                                   stages=st, **kw)
-            assert torch.equal(y.view(torch.int16), base.view(torch.int16)), (mt, kwarps, st)
-        d0 = tc.dense_w4a16_cuda(x, w[0], s[0], ws2[:1], relu2=False, m_tiles=mt,
-                                 k_warps=kwarps, prefetch=1, stages=0)
-        d1 = tc.dense_w4a16_cuda(x, w[0], s[0], ws2[:1], relu2=False, m_tiles=mt,
-                                 k_warps=kwarps, prefetch=1, stages=2)
-        assert torch.equal(d1.view(torch.int16), d0.view(torch.int16)), (mt, kwarps)
 
 
 @gpu
@@ -345,8 +316,7 @@ def _nvrtc_or_skip() -> ctypes.CDLL:
     return ctypes.CDLL(str(path))
 
 
-@pytest.mark.parametrize("tile", [(1, 1, 4, 1, 0), (2, 1, 4, 1, 0), (2, 2, 4, 2, 0),
-                                  (2, 1, 8, 3, 0), (2, 1, 4, 1, 4), (4, 2, 8, 1, 8)])
+@pytest.mark.parametrize("tile", [(1, 1, 4, 1), (2, 1, 4, 1), (2, 2, 4, 2), (2, 1, 8, 3)])
 def test_kernel_compiles_for_hopper(tile, tmp_path):
     """The launch path's own NVRTC compile (no GPU needed, only the library): an sm_90 cubin
     with the kernel's symbol, at Lightning's two expert K, kept in the disk cache; a bad
@@ -380,11 +350,11 @@ def test_compiled_kernels_are_cached_on_disk(tmp_path, monkeypatch):
         return b"\x7fELF" + repr(shape_arch).encode()
 
     monkeypatch.setattr(tc, "compile_cubin", compile_cubin)
-    shape = (2, 1, 4, 1, 0, 2688)
+    shape = (2, 1, 4, 1, 2688)
     first = tc.cached_cubin(_FakeNvrtc(), shape, "sm_90", tmp_path)
     assert tc.cached_cubin(_FakeNvrtc(), shape, "sm_90", tmp_path) == first
     assert len(compiled) == 1 and len(list(tmp_path.glob("*.cubin"))) == 1
-    tc.cached_cubin(_FakeNvrtc(), (2, 1, 4, 1, 2, 2688), "sm_90", tmp_path)
+    tc.cached_cubin(_FakeNvrtc(), (2, 1, 4, 2, 2688), "sm_90", tmp_path)
     tc.cached_cubin(_FakeNvrtc(), shape, "sm_100", tmp_path)
     tc.cached_cubin(_FakeNvrtc(minor=1), shape, "sm_90", tmp_path)
     assert len(compiled) == 4 and len(list(tmp_path.glob("*.cubin"))) == 4

@@ -1,7 +1,7 @@
 """The CUDA pair kernel's own source (``kernels/_w4a16_cuda.cu``) run on the CPU by
 ``tests/cuda_emu`` against ``pair_w4a16_reference``, through the same launch plan the GPU path
-uses: every tile shape, from registers and staged in shared memory, one and two MMA tiles of
-tokens, N not a tile multiple, K units fewer than the warps splitting them, int32 and int64 ids, repeated ids, threads scheduled in both
+uses: every tile shape, one and two MMA tiles of tokens, N not a tile multiple, K units fewer
+than the warps splitting them, int32 and int64 ids, repeated ids, threads scheduled in both
 orders. Then mutated copies of the kernel, to show these checks fail when the kernel is wrong.
 """
 from pathlib import Path
@@ -26,24 +26,21 @@ def _case(tokens: int, n: int, k: int, seed: int, ids_dtype=torch.int32):
     return w, s, s2, ids
 
 
-def _run(x, ids, w, s, s2, *, x_per_pair, relu2, distinct=True, shared=SHARED,
-         tile=(2, 4, 1, 0), reverse=False, source=tc.SOURCE):
+def _run(x, ids, w, s, s2, *, x_per_pair, relu2, distinct=True, shared=SHARED, tile=(2, 4, 1),
+         reverse=False, source=tc.SOURCE):
     rows = ids.numel() + ids.shape[0] * shared
     plan = tc.plan_pairs(x, ids, w, s, s2.reshape(-1).float(), x_per_pair=x_per_pair,
                           relu2=relu2, distinct=distinct, shared_parts=shared, rows=rows,
-                          m_tiles=tile[0], k_warps=tile[1], prefetch=tile[2],
-                          stages=tile[3])
+                          m_tiles=tile[0], k_warps=tile[1], prefetch=tile[2])
     return cuda_emu.run_w4a16_cuda(plan, reverse=reverse, source=source)
 
 
 @needs_cxx
-@pytest.mark.parametrize("tile", [(1, 4, 1, 0), (2, 4, 1, 0), (2, 8, 1, 0), (2, 4, 2, 0),
-                                  (1, 16, 2, 0), (1, 4, 1, 1), (2, 4, 1, 3), (2, 8, 1, 2),
-                                  (4, 2, 1, 8)])
+@pytest.mark.parametrize("tile", [(1, 4, 1), (2, 4, 1), (2, 8, 1), (2, 4, 2), (1, 16, 2)])
 @pytest.mark.parametrize("tokens", [1, 5, 9, 16])
 def test_emulated_kernel_matches_reference(tile, tokens):
     n, k = 200, 448                       # 7 row tiles of 32 (the last one partial), 7 K units
-    w, s, s2, ids = _case(tokens, n, k, seed=tile[0] * 10 + tile[1] + tile[2] + 7 * tile[3])
+    w, s, s2, ids = _case(tokens, n, k, seed=tile[0] * 10 + tile[1] + tile[2])
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, k, generator=g).bfloat16()
     xp = torch.randn(tokens * (TOPK + SHARED), k, generator=g).bfloat16()
@@ -57,15 +54,14 @@ def test_emulated_kernel_matches_reference(tile, tokens):
 
 
 @needs_cxx
-@pytest.mark.parametrize("prefetch, stages", [(1, 0), (2, 0), (3, 0), (1, 2), (1, 5)])
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
 @pytest.mark.parametrize("k", [2688, 1856])
-def test_emulated_kernel_at_lightning_k(k, prefetch, stages):
+def test_emulated_kernel_at_lightning_k(k, prefetch):
     """Lightning's expert K (42 and 29 units: 11/11/10/10 and 8/7/7/7 per warp, so the
-    buffer ring ends at every position; copy groups of 21 or 9 units and 15 or 6), 7 tokens
-    as a width-7 verify."""
+    buffer ring ends at every position), 7 tokens as a width-7 verify."""
     w, s, s2, ids = _case(7, 48, k, seed=k)
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(k)).bfloat16()
-    y = _run(x, ids, w, s, s2, x_per_pair=False, relu2=True, tile=(2, 4, prefetch, stages))
+    y = _run(x, ids, w, s, s2, x_per_pair=False, relu2=True, tile=(2, 4, prefetch))
     ref = tw.pair_w4a16_reference(x, ids, w, s, s2, relu2=True, shared_parts=SHARED)
     assert not y.isnan().any() and _rel(y, ref) <= 1e-2
 
@@ -76,31 +72,8 @@ def test_emulated_kernel_with_fewer_k_units_than_warps_and_int64_ids():
     expert's last rows end the weight buffer, so a stray prologue load leaves it)."""
     w, s, s2, ids = _case(6, 200, 320, seed=4, ids_dtype=torch.int64)
     x = torch.randn(6, 320, generator=torch.Generator().manual_seed(1)).bfloat16()
-    ref = tw.pair_w4a16_reference(x, ids, w, s, s2, shared_parts=SHARED)
-    for tile in [(2, 8, 2, 0), (2, 8, 1, 3)]:
-        y = _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=tile)
-        assert _rel(y, ref) <= 1e-2
-
-
-@needs_cxx
-def test_staged_tiles_give_the_register_tiles_bits():
-    """A tile staged in shared memory decodes the same units in the same order as the
-    register ring, so its output is the same bits at any number of copy groups; a tile over
-    the shared-memory budget, or more groups than wait_group can count, is refused."""
-    w, s, s2, ids = _case(7, 200, 1856, seed=11)
-    xp = torch.randn(7 * (TOPK + SHARED), 1856, generator=torch.Generator().manual_seed(5))
-    xp = xp.bfloat16()
-    base = _run(xp, ids, w, s, s2, x_per_pair=True, relu2=False, tile=(2, 4, 2, 0))
-    for stages in (1, 3, 8):
-        staged = _run(xp, ids, w, s, s2, x_per_pair=True, relu2=False, tile=(2, 4, 1, stages),
-                      reverse=stages == 3)
-        assert torch.equal(staged.view(torch.int16), base.view(torch.int16)), stages
-    for tile, what in [((16, 4, 1, 2), "shared bytes"), ((2, 4, 1, 9), "stages")]:
-        with pytest.raises(ValueError, match=what):
-            _run(xp, ids, w, s, s2, x_per_pair=True, relu2=False, tile=tile)
-    assert tc.tile_smem(2, 2688, 0) == 0
-    assert tc.tile_smem(2, 2688, 4) == 32 * (1344 + 32 + 168)   # rows padded off bank 0
-    assert tc.tile_smem(1, 1856, 2) == 16 * (928 + 116)
+    y = _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=(2, 8, 2))
+    assert _rel(y, tw.pair_w4a16_reference(x, ids, w, s, s2, shared_parts=SHARED)) <= 1e-2
 
 
 @needs_cxx
@@ -132,28 +105,13 @@ def _mutant(tmp_path: Path, old: str, new: str) -> Path:
     ("(x_per_pair ? orow : tid)", "(x_per_pair ? tid : orow)"),   # a pair's x row for a token's
 ])
 def test_a_wrong_kernel_fails(tmp_path, old, new):
-    _wrong_kernel_fails(tmp_path, old, new, (2, 4, 1, 0))
-
-
-@needs_cxx
-@pytest.mark.parametrize("old, new", [
-    ("    cp_wait(ST - 1 - st);\n    __syncthreads();", "    cp_wait(ST - 1 - st);"),  # no barrier
-    ("cp_wait(ST - 1 - st);", "cp_wait(ST - st);"),                # decodes a group in flight
-    ("+ 32 * u0 + 16 * q, gw", "+ 16 * q, gw"),                    # groups copied to one place
-    ("row * SS + 4 * u + t", "row * SW + 4 * u + t"),              # scales at the weights' stride
-])
-def test_a_wrong_staged_kernel_fails(tmp_path, old, new):
-    _wrong_kernel_fails(tmp_path, old, new, (2, 4, 1, 3))
-
-
-def _wrong_kernel_fails(tmp_path, old, new, tile):
     w, s, s2, ids = _case(5, 64, 256, seed=7)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
     ref = tw.pair_w4a16_reference(x, ids, w, s, s2, shared_parts=SHARED)
-    good = _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=tile)
+    good = _run(x, ids, w, s, s2, x_per_pair=False, relu2=False)
     assert _rel(good, ref) <= 1e-2
     try:
-        bad = _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=tile,
+        bad = _run(x, ids, w, s, s2, x_per_pair=False, relu2=False,
                    source=_mutant(tmp_path, old, new))
     except RuntimeError as e:                 # the emulator caught a bad access
         assert "cuda_emu:" in str(e)
@@ -167,7 +125,7 @@ def test_a_stray_load_is_reported(tmp_path):
     w, s, s2, ids = _case(2, 64, 320, seed=5)
     x = torch.randn(2, 320).bfloat16()
     with pytest.raises(RuntimeError, match=r"ld_w .*outside every buffer; x offset"):
-        _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=(2, 8, 1, 0), source=source)
+        _run(x, ids, w, s, s2, x_per_pair=False, relu2=False, tile=(2, 8, 1), source=source)
 
 
 @needs_cxx
@@ -180,14 +138,11 @@ def test_a_kernel_that_does_not_compile_says_so(tmp_path):
 
 
 @needs_cxx
-@pytest.mark.parametrize("fallback", [(2, 4, 1, 0), (1, 4, 1, 2)])
-def test_pair_w4a16_dispatches_to_the_kernel_as_planned(monkeypatch, fallback):
+def test_pair_w4a16_dispatches_to_the_kernel_as_planned(monkeypatch):
     """``pair_w4a16`` itself, its CUDA branch taken on CPU tensors and the kernel emulated:
     the arguments it derives (rows, the fp32 global scales, dedup of up to 16 tokens, the
-    shared slices, 1-token calls without dedup) reach the kernel right, with the default
-    tile from registers or staged (and then its shared bytes)."""
+    shared slices, 1-token calls without dedup) reach the kernel right."""
     calls = []
-    monkeypatch.setattr(tc, "FALLBACK_TILE", fallback)
 
     def emulated(plan, device):
         calls.append(plan)
@@ -211,9 +166,6 @@ def test_pair_w4a16_dispatches_to_the_kernel_as_planned(monkeypatch, fallback):
     assert [p.grid[0] for p in calls] == [1 * TOPK + SHARED] * 2 + [7 * TOPK + SHARED] * 2 + \
         [16 * TOPK + SHARED] * 2
     assert [p.n_tiles for p in calls[::2]] == [1, 1, 2]
-    assert {(p.m_tiles, p.stages, p.shared_mem) for p in calls} == {
-        (fallback[0], fallback[3], tc.tile_smem(fallback[0], 256, fallback[3])),
-        (fallback[0], fallback[3], tc.tile_smem(fallback[0], 64, fallback[3]))}
 
 
 @needs_cxx

@@ -22,14 +22,8 @@
 // w4a16_linear calls of up to 16 rows; ws2_rows: one global scale per output row (a fused
 // stack of sibling projections), else one per expert.
 //
-// KW warps split K (unit u goes to warp u % KW) and sum their partials in shared memory.
-// Where the weights come from (ST, compiled in): ST = 0, each warp keeps PF units' loads in
-// flight in registers ahead of the one it decodes; ST > 0, the CTA copies its whole tile
-// (MT * 16 rows of weights and scales) into shared memory with cp.async at the start, in ST
-// groups along K, and decodes each group once it has landed. The staged form holds the tile's
-// bytes in flight without registers (an SM streams several tiles at once), which is what a
-// verify's many distinct experts need; both decode the same units in the same order, so
-// their results are the same bits.
+// KW warps split K (unit u goes to warp u % KW) and sum their partials in shared memory;
+// each warp keeps PF units' loads in flight ahead of the one it decodes.
 // Blocks: one per (token, expert) pair plus one per shared-expert slice; of the pairs naming
 // one expert only the first (the leader) runs, for all its tokens.
 
@@ -89,47 +83,6 @@ template <typename T>
 __device__ __forceinline__ T ldg(const T* p) { return *p; }
 
 __device__ __forceinline__ void st_u16(unsigned short* p, unsigned short v) { *p = v; }
-
-__device__ __forceinline__ U32 smem_u32(const void* p) {
-  return (U32)__cvta_generic_to_shared(p);
-}
-
-// 16 global bytes to shared (16-aligned both), bypassing L1
-__device__ __forceinline__ void cp_async16(unsigned char* dst, const unsigned char* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_u32(dst)), "l"(src)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async4(unsigned char* dst, const unsigned char* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(smem_u32(dst)), "l"(src)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Waits until at most `pending` (0..7) of this thread's newest copy groups are in flight.
-__device__ __forceinline__ void cp_wait(int pending) {
-  switch (pending) {
-    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
-    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
-    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
-  }
-}
-
-__device__ __forceinline__ void ld_sw(const unsigned char* p, U32* v) {  // 8 shared bytes
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  v[0] = u.x;
-  v[1] = u.y;
-}
-
-__device__ __forceinline__ U32 ld_su8(const unsigned char* p) { return *p; }
-
-#define DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
 // Streams 0..3 of the two words in w (kernel layout, kernels/w4a16_layout.py), times s.
@@ -149,11 +102,6 @@ __device__ __forceinline__ U32 scale2(U32 b) {
 // K is compiled in: the row strides of the packed weights and scales become immediates.
 #define SW (KDIM / 2)
 #define SS (KDIM / 16)
-#define UNITS (KDIM / 64)
-// The staged tile's row stride in shared memory: SW is a multiple of 8 words; rows 8 words
-// apart mod 32 banks let a half-warp's 8-byte reads of rows g..g+3 hit distinct banks.
-#define SWP (SW + ((SW / 4) % 16 == 0 ? 32 : 0))
-#define UPS ((UNITS + (ST > 0 ? ST : 1) - 1) / (ST > 0 ? ST : 1))  // K units per copy group
 
 // One 64-K unit's packed words and scale bytes of this lane's 2 * MT rows.
 template <typename Stride>
@@ -266,14 +214,20 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_cuda(
   }
   __syncthreads();
 
+  // This warp's units are warp, warp + KW, ...: one base pointer for its rows' weights and
+  // one for their scales step KW units at a time; rows sit at constant offsets and rows past
+  // N load nothing.
   const int n0 = blockIdx.y * (MT * 16);
+  const unsigned char* pw = w + (long long)e * stride_we + (long long)(n0 + g) * SW
+                            + 32 * warp + 8 * t;
+  const unsigned char* ps = ws + (long long)e * stride_se + (long long)(n0 + g) * SS
+                            + 4 * warp + t;
   bool ok[MT][2];
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) ok[i][h] = n0 + 16 * i + 8 * h + g < N;
   // A token slot this block does not serve reads row 0: its MMA column is never stored.
-  // This warp's units are warp, warp + KW, ... in order; px steps KW units per unit.
   const unsigned short* px[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j)
@@ -287,14 +241,7 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_cuda(
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
 
-#if ST == 0
-  // One base pointer for this lane's rows' weights and one for their scales step KW units at
-  // a time; rows sit at constant offsets and rows past N load nothing.
-  const unsigned char* pw = w + (long long)e * stride_we + (long long)(n0 + g) * SW
-                            + 32 * warp + 8 * t;
-  const unsigned char* ps = ws + (long long)e * stride_se + (long long)(n0 + g) * SS
-                            + 4 * warp + t;
-  const int iters = max(UNITS - warp + KW - 1, 0) / KW;
+  const int iters = max((KDIM >> 6) - warp + KW - 1, 0) / KW;
   // A ring of PF + 1 register buffers: while one unit is decoded, the next PF units' bytes
   // are in flight. Unit it + r sits in buffer r (the inner loop is unrolled, so every
   // buffer index is a constant); a warp past K's units loads nothing.
@@ -315,45 +262,6 @@ extern "C" __global__ void __launch_bounds__(KW * 32) w4a16_cuda(
     pw += NB * 32 * KW;
     ps += NB * 4 * KW;
   }
-#else
-  // The tile in shared memory: weights [MT * 16][SWP], then scales [MT * 16][SS] (the
-  // global layout's rows, which are contiguous). Scales ride in the first copy group.
-  DYN_SMEM(tile);
-  unsigned char* s_w = tile;
-  unsigned char* s_sc = tile + MT * 16 * SWP;
-  const int nrows = min(MT * 16, N - n0);
-  const unsigned char* gw = w + (long long)e * stride_we + (long long)n0 * SW;
-  const unsigned char* gs = ws + (long long)e * stride_se + (long long)n0 * SS;
-  for (int i = tid; i < nrows * (SS / 4); i += KW * 32) cp_async4(s_sc + 4 * i, gs + 4 * i);
-#pragma unroll
-  for (int st = 0; st < ST; ++st) {
-    const int u0 = st * UPS, per_row = 2 * max(min(UPS, UNITS - u0), 0);  // 16-byte chunks
-    for (int c = tid; c < nrows * per_row; c += KW * 32) {
-      const int r = c / per_row, q = c - r * per_row;
-      cp_async16(s_w + r * SWP + 32 * u0 + 16 * q, gw + (long long)r * SW + 32 * u0 + 16 * q);
-    }
-    cp_commit();
-  }
-#pragma unroll
-  for (int st = 0; st < ST; ++st) {
-    cp_wait(ST - 1 - st);
-    __syncthreads();
-    const int u0 = st * UPS, u1 = min(u0 + UPS, UNITS);
-    for (int u = u0 + ((warp - u0) % KW + KW) % KW; u < u1; u += KW) {
-      U32 wv[MT][2][2], sv[MT][2];
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          if (ok[i][h]) {
-            const int row = 16 * i + 8 * h + g;
-            ld_sw(s_w + row * SWP + 32 * u + 8 * t, wv[i][h]);
-            sv[i][h] = ld_su8(s_sc + row * SS + 4 * u + t);
-          }
-      unit_rows_mma(acc, wv, sv, px);
-    }
-  }
-#endif
 
   // c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8
 #pragma unroll

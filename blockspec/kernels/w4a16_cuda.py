@@ -32,9 +32,7 @@ UNIT_K = 64              # K per thread-quad step: one scale group per lane
 # the measured tile per call shape (scripts/bench_w4a16_cuda.py --write-table): absent, every
 # call of up to MAX_TOKENS rows takes the CUDA kernel at FALLBACK_TILE
 TILES = Path(__file__).with_name("w4a16_cuda_tiles.json")
-FALLBACK_TILE = (2, 4, 1, 0)
-MAX_STAGES = 8           # cp.async groups a staged tile may be split into (wait_group 0..7)
-MAX_SHARED = 227 * 1024  # shared bytes a CTA may have on sm_90 (opt-in), static + dynamic
+FALLBACK_TILE = (2, 4, 1)
 
 
 def cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int, mode: str) -> bool:
@@ -48,18 +46,15 @@ def cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int, mode: str) -> bo
             and measured_tile(mode, tokens, weight.shape[-2], k) != "triton")
 
 
-def default_tile(mode: str, tokens: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(m_tiles, k_warps, prefetch, stages) for ``tokens`` rows of an [N, K] weight: 16-row
-    MMA tiles per warp, warps splitting K in a CTA, and where the weights come from: with
-    ``stages`` 0 each warp keeps ``prefetch`` 64-K units' loads in flight in registers, else
-    the CTA copies its whole tile into shared memory in ``stages`` groups along K (see
-    ``_w4a16_cuda.cu``). The tile table's where it has the shape, else ``FALLBACK_TILE``."""
+def default_tile(mode: str, tokens: int, n: int, k: int) -> tuple[int, int, int]:
+    """(m_tiles, k_warps, prefetch) for ``tokens`` rows of an [N, K] weight: 16-row MMA tiles
+    per warp, warps splitting K in a CTA, and 64-K units each warp keeps loading ahead of
+    the one it decodes; the tile table's where it has the shape, else ``FALLBACK_TILE``."""
     tile = measured_tile(mode, tokens, n, k)
     return tile if isinstance(tile, tuple) else FALLBACK_TILE
 
 
-def measured_tile(mode: str, tokens: int, n: int, k: int
-                  ) -> tuple[int, int, int, int] | str | None:
+def measured_tile(mode: str, tokens: int, n: int, k: int) -> tuple[int, int, int] | str | None:
     """The table's answer for a call: its best CUDA tile, "triton" where the Triton kernel
     was faster, None for a shape it does not have. Token counts between the measured ones
     take the next measured count up (the largest past them)."""
@@ -70,43 +65,26 @@ def measured_tile(mode: str, tokens: int, n: int, k: int
 
 
 @functools.lru_cache(maxsize=1)
-def tile_table() -> dict[tuple[str, int, int], list[tuple[int, tuple[int, int, int, int] | str]]]:
-    """``TILES`` as {(mode, N, K): [(tokens, tile or "triton"), ...] by tokens}; a tile of
-    three numbers has no stages (0)."""
+def tile_table() -> dict[tuple[str, int, int], list[tuple[int, tuple[int, int, int] | str]]]:
+    """``TILES`` as {(mode, N, K): [(tokens, tile or "triton"), ...] by tokens}."""
     if not TILES.is_file():
         return {}
     table: dict = {}
     for e in json.loads(TILES.read_text())["entries"]:
-        tile = (*e["tile"], 0, 0)[:4] if e["tile"] else "triton"
+        tile = tuple(e["tile"]) if e["tile"] else "triton"
         table.setdefault((e["mode"], e["n"], e["k"]), []).append((e["tokens"], tile))
     return {key: sorted(rows) for key, rows in table.items()}
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(m_tiles: int, n_tiles: int, k_warps: int, prefetch: int, stages: int, k: int,
-            device: int):
-    """NVRTC -> cubin -> driver function, cached per tile shape, K and device; a staged
-    tile's function is allowed its shared memory (past the default 48 KiB)."""
+def _kernel(m_tiles: int, n_tiles: int, k_warps: int, prefetch: int, k: int, device: int):
+    """NVRTC -> cubin -> driver function, cached per tile shape, K and device."""
     from torch.cuda import _utils as cuda_utils  # lazy: torch's NVRTC bindings, CUDA use only
     major, minor = torch.cuda.get_device_capability(device)
-    cubin = cached_cubin(_nvrtc_library(cuda_utils),
-                         (m_tiles, n_tiles, k_warps, prefetch, stages, k),
+    cubin = cached_cubin(_nvrtc_library(cuda_utils), (m_tiles, n_tiles, k_warps, prefetch, k),
                          f"sm_{major}{minor}", cache_dir())
     with torch.cuda.device(device):
-        fn = cuda_utils._cuda_load_module(cubin, ["w4a16_cuda"])["w4a16_cuda"]
-        if stages:
-            fn.set_shared_memory_config(tile_smem(m_tiles, k, stages))
-    return fn
-
-
-def tile_smem(m_tiles: int, k: int, stages: int) -> int:
-    """Dynamic shared bytes of a staged tile (``_w4a16_cuda.cu``: weights [16 * m_tiles]
-    [SWP], scales [16 * m_tiles][K/16]); 0 without stages."""
-    if not stages:
-        return 0
-    sw = k // 2
-    swp = sw + (32 if (sw // 4) % 16 == 0 else 0)
-    return 16 * m_tiles * (swp + k // 16)
+        return cuda_utils._cuda_load_module(cubin, ["w4a16_cuda"])["w4a16_cuda"]
 
 
 def cache_dir() -> Path:
@@ -116,7 +94,7 @@ def cache_dir() -> Path:
     return Path(root) / "cubin"
 
 
-def cached_cubin(lib: ctypes.CDLL, shape: tuple[int, int, int, int, int, int], arch: str,
+def cached_cubin(lib: ctypes.CDLL, shape: tuple[int, int, int, int, int], arch: str,
                  cache: Path) -> bytes:
     """``compile_cubin(lib, *shape, arch)`` through files in ``cache``, keyed by the source, the
     shape, the arch and NVRTC's version: a process start reuses them instead of compiling
@@ -140,11 +118,10 @@ def cached_cubin(lib: ctypes.CDLL, shape: tuple[int, int, int, int, int, int], a
 
 
 def compile_cubin(lib: ctypes.CDLL, m_tiles: int, n_tiles: int, k_warps: int, prefetch: int,
-                  stages: int, k: int, arch: str) -> bytes:
+                  k: int, arch: str) -> bytes:
     """The kernel for one tile shape and K, compiled by NVRTC (``lib``) for ``arch``."""
     src = (f"#define MT {m_tiles}\n#define NT {n_tiles}\n#define KW {k_warps}\n"
-           f"#define PF {prefetch}\n#define ST {stages}\n#define KDIM {k}\n"
-           + SOURCE.read_text())
+           f"#define PF {prefetch}\n#define KDIM {k}\n" + SOURCE.read_text())
     prog = ctypes.c_void_p()
     _nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"w4a16_cuda.cu",
                                        0, None, None), "nvrtcCreateProgram")
@@ -204,11 +181,9 @@ class LaunchPlan:
     n_tiles: int
     k_warps: int
     prefetch: int
-    stages: int
     k: int
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
-    shared_mem: int
     args: list
     out: torch.Tensor
 
@@ -217,7 +192,7 @@ def plan_pairs(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                 weight_scale: torch.Tensor, ws2: torch.Tensor, *, x_per_pair: bool,
                 relu2: bool, distinct: bool, shared_parts: int, rows: int,
                 m_tiles: int | None = None, k_warps: int | None = None,
-                prefetch: int | None = None, stages: int | None = None) -> LaunchPlan:
+                prefetch: int | None = None) -> LaunchPlan:
     """``pair_w4a16`` with ``dedup`` (arguments checked there; ``ws2`` fp32 [E], ``rows`` the
     result's rows) as a launch of the kernel, its output allocated on x's device."""
     tokens, topk = ids.shape
@@ -225,66 +200,53 @@ def plan_pairs(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
     return _plan(x, ids, 2 if ids.dtype == torch.int64 else 1, weight, weight_scale, ws2,
                  tokens=tokens, topk=topk, blocks=tokens * topk + shared_parts, rows=rows,
                  shared_parts=shared_parts, x_per_pair=x_per_pair, relu2=relu2,
-                 distinct=distinct, ws2_rows=False,
-                 tile=(m_tiles, k_warps, prefetch, stages), mode="pairs")
+                 distinct=distinct, ws2_rows=False, tile=(m_tiles, k_warps, prefetch),
+                 mode="pairs")
 
 
 def plan_dense(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                ws2: torch.Tensor, *, relu2: bool, m_tiles: int | None = None,
-               k_warps: int | None = None, prefetch: int | None = None,
-               stages: int | None = None) -> LaunchPlan:
+               k_warps: int | None = None, prefetch: int | None = None) -> LaunchPlan:
     """``w4a16_linear`` of ``x`` [M <= ``MAX_TOKENS``, K] as the kernel's dense mode: the
     weight [N, K/2] is its one expert and every row of x a token (no ids: ``ids_step`` 0, and
     ws2 stands in for the pointer, never read); ``ws2`` fp32, one global scale or one per
     output row (a fused stack of siblings)."""
     return _plan(x, ws2, 0, weight[None], weight_scale[None], ws2, tokens=x.shape[0], topk=1,
                  blocks=1, rows=x.shape[0], shared_parts=0, x_per_pair=False, relu2=relu2, distinct=True,
-                 ws2_rows=ws2.numel() > 1, tile=(m_tiles, k_warps, prefetch, stages),
-                 mode="dense")
+                 ws2_rows=ws2.numel() > 1, tile=(m_tiles, k_warps, prefetch), mode="dense")
 
 
 def _plan(x: torch.Tensor, ids: torch.Tensor, ids_step: int, weight: torch.Tensor,
           weight_scale: torch.Tensor, ws2: torch.Tensor, *, tokens: int, topk: int, blocks: int,
           rows: int, shared_parts: int, x_per_pair: bool, relu2: bool, distinct: bool,
-          ws2_rows: bool, tile: tuple[int | None, int | None, int | None, int | None],
+          ws2_rows: bool, tile: tuple[int | None, int | None, int | None],
           mode: str) -> LaunchPlan:
     e, n, half_k = weight.shape
     k = half_k * 2
-    mt, kw, pf, st = (b if a is None else a for a, b in zip(tile, default_tile(mode, tokens, n, k)))
-    if not 0 <= st <= MAX_STAGES:
-        raise ValueError(f"w4a16_cuda: stages must be 0..{MAX_STAGES}, got {st}")
-    nt = 1 if tokens <= 8 else 2
-    # the kernel's static arrays: 3 x 16 ints, and the K-warps' partial sums s_red
-    shared = tile_smem(mt, k, st) + 3 * 16 * 4 + kw * 16 * mt * (8 * nt + 1) * 4
-    if shared > MAX_SHARED:
-        raise ValueError(f"w4a16_cuda: tile {mt}x{kw}x{pf}x{st} at K={k} needs {shared} shared "
-                         f"bytes, over {MAX_SHARED}")
+    mt, kw, pf = (a or b for a, b in zip(tile, default_tile(mode, tokens, n, k)))
     if x.dtype != torch.bfloat16:
         raise ValueError(f"w4a16_cuda: x must be bf16, got {x.dtype}")
     x = x.contiguous()
     if x.data_ptr() % 16 or k % 8:
         x = x.clone()                      # 16-byte loads of x
     weight = weight.contiguous()
-    if weight.data_ptr() % 16:             # 8-byte loads; 16-byte copies when staged
+    if weight.data_ptr() % 8:
         weight = weight.clone()
     scale = weight_scale.view(torch.uint8).contiguous()
-    if scale.data_ptr() % 4:
-        scale = scale.clone()
     ws2 = ws2.contiguous()
     out = torch.empty((rows, n), dtype=torch.bfloat16, device=x.device)
     args = [x, ids, ids_step, weight, scale, ws2, out, tokens, topk, n, shared_parts,
             e - shared_parts, int(x_per_pair), int(relu2), int(distinct), int(ws2_rows),
             x.stride(0), weight.stride(0), scale.stride(0), out.stride(0)]
-    return LaunchPlan(mt, nt, kw, pf, st, k,
-                      (blocks, -(-n // (16 * mt)), 1), (32 * kw, 1, 1), tile_smem(mt, k, st),
-                      args, out)
+    return LaunchPlan(mt, 1 if tokens <= 8 else 2, kw, pf, k, (blocks, -(-n // (16 * mt)), 1),
+                      (32 * kw, 1, 1), args, out)
 
 
 def pair_w4a16_cuda(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor,
                     weight_scale: torch.Tensor, ws2: torch.Tensor, **kwargs) -> torch.Tensor:
     """``plan_pairs``'s launch on x's CUDA device -> ``[rows, N]`` bf16."""
     plan = plan_pairs(x, ids, weight, weight_scale, ws2, **kwargs)
-    launch(plan, launcher(plan, x.device))
+    launcher(plan, x.device)(grid=plan.grid, block=plan.block, args=plan.args)
     return plan.out
 
 
@@ -292,18 +254,12 @@ def dense_w4a16_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
                      ws2: torch.Tensor, **kwargs) -> torch.Tensor:
     """``plan_dense``'s launch on x's CUDA device -> ``[M, N]`` bf16."""
     plan = plan_dense(x, weight, weight_scale, ws2, **kwargs)
-    launch(plan, launcher(plan, x.device))
+    launcher(plan, x.device)(grid=plan.grid, block=plan.block, args=plan.args)
     return plan.out
-
-
-def launch(plan: LaunchPlan, kernel) -> None:
-    """``kernel`` (``launcher``'s, or the CPU emulator's stand-in) called as ``plan`` says."""
-    kernel(grid=plan.grid, block=plan.block, args=plan.args, shared_mem=plan.shared_mem)
 
 
 def launcher(plan: LaunchPlan, device: torch.device):
     """The compiled kernel for ``plan``'s shape on ``device`` (CPU tests put the emulator's
     launch here)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _kernel(plan.m_tiles, plan.n_tiles, plan.k_warps, plan.prefetch, plan.stages,
-                   plan.k, index)
+    return _kernel(plan.m_tiles, plan.n_tiles, plan.k_warps, plan.prefetch, plan.k, index)

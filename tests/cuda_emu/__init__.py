@@ -60,7 +60,7 @@ def run_w4a16_cuda(plan: w4a16_cuda.LaunchPlan, reverse: bool = False,
     order or in ``reverse``; raises with the emulator's message when an access or a barrier
     failed. ``source``: the kernel file (a mutated copy, to show a test can fail)."""
     plan.out.fill_(float("nan"))            # rows the kernel should write and does not show
-    w4a16_cuda.launch(plan, emulated_launcher(plan, reverse, source))
+    emulated_launcher(plan, reverse, source)(grid=plan.grid, block=plan.block, args=plan.args)
     return plan.out
 
 
@@ -70,12 +70,11 @@ def emulated_launcher(plan: w4a16_cuda.LaunchPlan, reverse: bool = False,
     (grid, block, args), run by the emulator."""
     lib = _library(source, HERE / "w4a16_cuda_launch.cpp",
                    {"MT": plan.m_tiles, "NT": plan.n_tiles, "KW": plan.k_warps,
-                    "PF": plan.prefetch, "ST": plan.stages, "KDIM": plan.k})
+                    "PF": plan.prefetch, "KDIM": plan.k})
     fn = lib.emu_w4a16_cuda
     fn.restype = ctypes.c_char_p
 
-    def launch(grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
-               shared_mem: int = 0) -> None:
+    def launch(grid: tuple[int, int, int], block: tuple[int, int, int], args: list) -> None:
         if grid[2] != 1 or block[1:] != (1, 1):
             raise ValueError(f"cuda_emu: grid {grid} / block {block}: only x and y are used")
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -83,7 +82,7 @@ def emulated_launcher(plan: w4a16_cuda.LaunchPlan, reverse: bool = False,
         c_args = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
                   else ctypes.c_int(a) for a in args]
         err = fn(ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(block[0]),
-                 ctypes.c_int(int(reverse)), ctypes.c_longlong(shared_mem), extents, *c_args)
+                 ctypes.c_int(int(reverse)), extents, *c_args)
         if err is not None:
             raise RuntimeError(f"cuda_emu: {err.decode()}")
 

@@ -2,11 +2,6 @@
 // in CPU tests (included first, with CUDA_EMU defined; the kernel then skips its PTX
 // primitives and takes these).
 //
-// cp.async copies are held per thread and land only when that thread waits for their group
-// (cp.async.wait_group), so a read of the shared tile before the wait and the barrier after
-// it sees stale bytes; a copy never waited for fails the launch. Dynamic shared memory is
-// one static buffer, its accesses checked against the launch's size.
-//
 // Each CUDA thread of a block is a fiber (ucontext) on one OS thread, run round-robin and
 // switched only at a barrier: __syncthreads for the block, and each mma.sync for the warp,
 // whose 32 lanes exchange fragments through a double-buffered slot array. Blocks run one
@@ -40,20 +35,12 @@ struct emu_dim3 {
 
 namespace emu {
 
-struct Copy {  // one cp.async, landed at its group's wait
-  void* dst;
-  const void* src;
-  size_t n;
-};
-
 struct Fiber {
   ucontext_t ctx;
   emu_dim3 tid;
   int warp = 0;
   bool done = false;
   std::vector<char> stack;
-  std::vector<Copy> open;                 // cp.async since the last commit
-  std::vector<std::vector<Copy>> groups;  // committed, oldest first
 };
 
 struct Barrier {
@@ -86,8 +73,6 @@ inline std::vector<int> warp_live;
 inline std::vector<Frag> frags[2];        // [parity][warp * 32 + lane]
 inline std::vector<int> mma_count;        // per fiber: its mmas so far (slot parity)
 inline int live = 0;
-inline char* smem_base = nullptr;         // the dynamic shared buffer (DYN_SMEM)
-inline size_t smem_bytes = 0;             // the launch's dynamic shared memory size
 
 [[noreturn]] inline void fail(const std::string& msg) {
   if (error.empty()) {
@@ -123,7 +108,6 @@ inline void release_if_complete(Barrier& b, int expected) {
 
 inline void entry() {
   body();
-  if (!cur->open.empty() || !cur->groups.empty()) fail("cp.async copies never waited for");
   cur->done = true;
   ++progress;
   --live;
@@ -148,14 +132,6 @@ inline void check(const void* p, size_t n, size_t align, const char* what) {
     m += "; " + std::string(b.name) + " offset " + std::to_string(c - b.base) + " of " +
          std::to_string(b.bytes);
   fail(m);
-}
-
-inline void check_smem(const void* p, size_t n, size_t align, const char* what) {
-  const char* c = static_cast<const char*>(p);
-  if (reinterpret_cast<uintptr_t>(c) % align) fail(std::string(what) + ": shared address not aligned");
-  if (!smem_base || c < smem_base || c + n > smem_base + smem_bytes)
-    fail(std::string(what) + ": " + std::to_string(n) + " bytes at shared offset " +
-         std::to_string(c - smem_base) + " outside the launch's " + std::to_string(smem_bytes));
 }
 
 // Runs kernel() for every thread of a grid; false (and `error`) when a check failed.
@@ -183,8 +159,6 @@ inline bool launch(emu_dim3 grid, emu_dim3 block, std::function<void()> kernel,
           f.tid = {i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
           f.warp = i / 32;
           f.done = false;
-          f.open.clear();
-          f.groups.clear();
           ++warp_live[f.warp];
           getcontext(&f.ctx);
           f.ctx.uc_stack.ss_sp = f.stack.data();
@@ -337,44 +311,3 @@ inline void st_u16(unsigned short* p, unsigned short v) {
   emu::check(p, 2, 2, "st_u16 (st.global.u16)");
   *p = v;
 }
-
-inline void cp_async16(unsigned char* dst, const unsigned char* src) {
-  emu::check(src, 16, 16, "cp_async16 (global side)");
-  emu::check_smem(dst, 16, 16, "cp_async16 (shared side)");
-  emu::cur->open.push_back({dst, src, 16});
-}
-
-inline void cp_async4(unsigned char* dst, const unsigned char* src) {
-  emu::check(src, 4, 4, "cp_async4 (global side)");
-  emu::check_smem(dst, 4, 4, "cp_async4 (shared side)");
-  emu::cur->open.push_back({dst, src, 4});
-}
-
-inline void cp_commit() {
-  emu::cur->groups.push_back(std::move(emu::cur->open));
-  emu::cur->open.clear();
-}
-
-inline void cp_wait(int pending) {
-  auto& g = emu::cur->groups;
-  while (static_cast<int>(g.size()) > pending) {
-    for (const emu::Copy& c : g.front()) std::memcpy(c.dst, c.src, c.n);
-    g.erase(g.begin());
-  }
-}
-
-inline void ld_sw(const unsigned char* p, unsigned int* v) {
-  emu::check_smem(p, 8, 8, "ld_sw (ld.shared.v2.u32)");
-  std::memcpy(v, p, 8);
-}
-
-inline unsigned int ld_su8(const unsigned char* p) {
-  emu::check_smem(p, 1, 1, "ld_su8 (ld.shared.u8)");
-  return *reinterpret_cast<const unsigned char*>(p);
-}
-
-// The launch sets emu::smem_bytes; the buffer is reused by every block (stale, as on a GPU).
-#define DYN_SMEM(name)                                              \
-  alignas(16) static unsigned char name##_buf[1 << 18];             \
-  unsigned char* name = name##_buf;                                 \
-  emu::smem_base = reinterpret_cast<char*>(name##_buf)

@@ -9,10 +9,9 @@ extern "C" void w4a16_cuda(const unsigned short* x, const int* ids, int ids_step
                             int ws2_rows, int stride_xm, int stride_we, int stride_se,
                             int stride_om);
 
-// Returns nullptr, or what failed. smem: the launch's dynamic shared bytes; bytes[]: the
-// sizes of x, ids, w, ws, ws2 and out.
+// Returns nullptr, or what failed. bytes[] are the sizes of x, ids, w, ws, ws2 and out.
 extern "C" const char* emu_w4a16_cuda(unsigned grid_x, unsigned grid_y, unsigned threads,
-                                       int reverse, long long smem, const long long* bytes,
+                                       int reverse, const long long* bytes,
                                        const unsigned short* x, const int* ids, int ids_step,
                                        const unsigned char* w, const unsigned char* ws,
                                        const float* ws2, unsigned short* out, int M, int topk,
@@ -25,8 +24,6 @@ extern "C" const char* emu_w4a16_cuda(unsigned grid_x, unsigned grid_y, unsigned
                   {reinterpret_cast<const char*>(ws), static_cast<size_t>(bytes[3]), "scale"},
                   {reinterpret_cast<const char*>(ws2), static_cast<size_t>(bytes[4]), "ws2"},
                   {reinterpret_cast<const char*>(out), static_cast<size_t>(bytes[5]), "out"}};
-  if (smem > (1 << 18)) return "dynamic shared memory over the emulator's 256 KiB";
-  emu::smem_bytes = static_cast<size_t>(smem);
   const bool ok = emu::launch({grid_x, grid_y, 1}, {threads, 1, 1}, [&] {
     w4a16_cuda(x, ids, ids_step, w, ws, ws2, out, M, topk, N, shared_parts, shared_base,
                 x_per_pair, relu2, distinct, ws2_rows, stride_xm, stride_we, stride_se, stride_om);
