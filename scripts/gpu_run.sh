@@ -33,6 +33,8 @@
 #   b16        batch 16: AR and DFlash widths 4-6 pinned and adaptive (256 tokens x 3)
 #   b16prof    graph replays of widths 4 and 5 at batch 16 on the batch's rows, on the cost
 #              table's dummy rows and on one shared slot (profile_step)
+#   ncucuda    ncu on the CUDA W4A16 kernel's MoE pair calls at 7 tokens and at 1 (where the
+#              verify's calls lose their time: the staged form ruled out bytes in flight)
 #   moepath    the MoE stack through the pair path and through the grouped path, 1-16 tokens
 #              (scripts/bench_moe_paths.py: where PAIR_PATH_MAX_PAIRS should cut)
 #   steady     a server's batch (--steady-state 4: replaced as requests finish) at batch 16 and
@@ -229,6 +231,18 @@ b16)
 b16prof)
   for w in 4 5; do profile_width 16 $w; done
   grep -h "graph replay" "$OUT"/profile_w*_b16.txt
+  ;;
+ncucuda)
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu | head -1)
+  for T in 7 1; do
+    timeout 200 "$NCU" --clock-control none --kernel-name w4a16_cuda --launch-skip 2 \
+        --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+        --section SourceCounters python3 scripts/ncu_pair_w4a16.py --tokens $T \
+        > "$OUT/ncu_cuda_pairs$T.txt" 2>&1
+  done
+  grep -hE "Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Waves Per SM|Issued Ipc" \
+      "$OUT"/ncu_cuda_pairs*.txt
   ;;
 moepath)
   timeout 240 python3 scripts/bench_moe_paths.py --out "$OUT/moe_paths.txt" 2>>"$OUT/stderr.log"

@@ -1,9 +1,11 @@
 """ncu target: the MoE W4A16 pair calls (up with relu2, down) of verifies of ``--tokens``
 tokens (default 7 and 4: DFlash width 7, DSpark gamma 3) and an AR step, on random packed
 experts with the shared expert's 2 slices riding. Each size runs 3 times (up, down), so
-``--launch-skip 2 --launch-count 2`` profiles the first size's second pair of calls:
+``--launch-skip 2 --launch-count 2`` profiles the first size's second pair of calls. On a
+CUDA GPU with bf16 activations the calls run the CUDA kernel (``w4a16_cuda``); the Triton
+one (``regex:_w4a16_v2_kernel``) serves the rest:
 
-    ncu --clock-control none --kernel-name regex:_w4a16_v2_kernel --launch-skip 2 \
+    ncu --clock-control none --kernel-name w4a16_cuda --launch-skip 2 \
         --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats \
         --section SourceCounters python3 scripts/ncu_pair_w4a16.py [--tokens 7 4 1]
 """
