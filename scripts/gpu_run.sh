@@ -34,7 +34,7 @@
 #   b16prof    graph replays of widths 4 and 5 at batch 16 on the batch's rows, on the cost
 #              table's dummy rows and on one shared slot (profile_step)
 #   ncucuda    ncu on the CUDA W4A16 kernel's MoE pair calls at 7 tokens and at 1 (where the
-#              verify's calls lose their time: the staged form ruled out bytes in flight)
+#              verify's calls lose their time; bytes in flight are ruled out, benchmarks.md)
 #   moepath    the MoE stack through the pair path and through the grouped path, 1-16 tokens
 #              (scripts/bench_moe_paths.py: where PAIR_PATH_MAX_PAIRS should cut)
 #   steady     a server's batch (--steady-state 4: replaced as requests finish) at batch 16 and
