@@ -33,7 +33,7 @@
 #   b16        batch 16: AR and DFlash widths 4-6 pinned and adaptive (256 tokens x 3)
 #   b16prof    graph replays of widths 4 and 5 at batch 16 on the batch's rows, on the cost
 #              table's dummy rows and on one shared slot (profile_step)
-#   ncucuda    ncu on the CUDA W4A16 kernel's MoE pair calls at 7 tokens and at 1 (where the
+#   ncucuda    ncu on the CUDA W4A16 kernel's MoE pair calls at 7, 4 and 1 tokens (where the
 #              verify's calls lose their time; bytes in flight are ruled out, benchmarks.md)
 #   moepath    the MoE stack through the pair path and through the grouped path, 1-16 tokens
 #              (scripts/bench_moe_paths.py: where PAIR_PATH_MAX_PAIRS should cut)
@@ -234,8 +234,8 @@ b16prof)
   ;;
 ncucuda)
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu | head -1)
-  for T in 7 1; do
-    timeout 200 "$NCU" --clock-control none --kernel-name w4a16_cuda --launch-skip 2 \
+  for T in 7 4 1; do
+    timeout 150 "$NCU" --clock-control none --kernel-name w4a16_cuda --launch-skip 2 \
         --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
         --section SourceCounters python3 scripts/ncu_pair_w4a16.py --tokens $T \

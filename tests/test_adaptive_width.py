@@ -18,6 +18,7 @@ from blockspec.speculative.adaptive import (
     WidthChooser,
     candidate_widths,
     eager_size,
+    eager_timed_widths,
     expected_tokens,
 )
 from tests.spec_fixtures import (
@@ -127,6 +128,23 @@ def test_eager_size_is_the_next_power_of_two_within_the_batch_limit():
     assert eager_size(17, 24) == 24 and eager_size(40, 48) == 48 and eager_size(64, 256) == 64
 
 
+def test_eager_sizes_time_three_widths_and_interpolate_the_rest():
+    """An eager size is timed at the narrowest, the second and the widest width; the widths
+    between are linear in the width between their timed neighbours, and a timed entry (or one
+    with no timed neighbour above) is left as it is."""
+    assert eager_timed_widths((1, 2, 3, 4, 5, 6, 7, 8)) == (1, 2, 8)
+    assert eager_timed_widths((1, 3)) == (1, 3) and eager_timed_widths((1, 2, 4)) == (1, 2, 4)
+    assert eager_timed_widths((1, 2, 3, 5, 8, 12, 16)) == (1, 2, 16)
+    cost = CostTable()
+    cost.measured.update({(8, 1): 17.8, (8, 2): 40.0, (8, 8): 70.0, (4, 1): 1.0, (4, 3): 3.0})
+    cost.interpolate(8, range(1, 9))
+    assert [round(cost.measured[(8, w)], 6) for w in range(1, 9)] == [17.8, 40, 45, 50, 55, 60,
+                                                                       65, 70]
+    cost.interpolate(4, (1, 2, 3, 4))               # 2 between 1 and 3; nothing timed above 4
+    assert cost.measured[(4, 2)] == 2.0 and (4, 4) not in cost.measured
+    assert cost.measured[(8, 1)] == 17.8 and cost.measured[(4, 3)] == 3.0
+
+
 def test_ewma_update():
     e = AcceptanceEWMA(slots=3, positions=4, device=torch.device("cpu"), alpha=0.5, prior=0.8,
                        engine_alpha=0.05, engine_prior_n=2.0)
@@ -168,6 +186,23 @@ def test_ewma_update():
     before = e.engine[0].item()
     e.update(many, torch.tensor([1, 1]), torch.tensor([0, 0]), width=4)
     assert e.engine[0].item() == pytest.approx(before * (1 - 0.05))
+    # a row that ended (committed an end-of-sequence id) observes nothing: its misses move
+    # neither its row nor the engine row; the other row's do
+    rows, eng = e.table[:2].clone(), e.engine.clone()
+    cols = e.update(many, torch.tensor([1, 1]), torch.tensor([0, 0]), width=4,
+                    ended=torch.tensor([True, False]))
+    assert torch.equal(e.table[0], rows[0]) and torch.equal(cols[0, :4].float(), rows[0])
+    assert e.table[1, 0].item() == pytest.approx(rows[1, 0].item() / 2)
+    assert e.engine[0].item() == pytest.approx(eng[0].item() * (1 - 0.05))
+    # and neither do the steps its request still runs after it (launched ahead of the host)
+    e.update(many, torch.tensor([2, 2]), torch.tensor([0, 0]), width=4)
+    assert torch.equal(e.table[0], rows[0])
+    assert e.table[1, 0].item() == pytest.approx(rows[1, 0].item() / 4)
+    assert e.engine[0].item() == pytest.approx(eng[0].item() * (1 - 0.05) ** 2)
+    # until a new request takes the slot (verify counter 0): it starts from the engine row
+    new = e.update(many, torch.tensor([0, 3]), torch.tensor([3, 3]), width=4)
+    assert new[0, 0].item() == pytest.approx(e.engine[0].item() + 0.5 * (1 - e.engine[0].item()))
+    assert e.ended.tolist()[:2] == [0, 0]
 
 
 def test_a_batch_of_new_requests_starts_from_its_own_first_rate():
@@ -288,20 +323,34 @@ def test_a_forced_width_drafts_as_that_fixed_width_does(target, kind, block, w):
         assert sum(f["meta_info"]["spec_accept_histogram"][1:]) > 0     # some drafts accepted
 
 
-def test_eager_steps_are_timed_for_every_width(target):
-    """Without graphs (CPU) each width's step is timed on dummy rows at the batch's eager size
-    before the first choice, so the chooser weighs measured costs, not a placeholder shape;
-    the dummy steps leave the requests' outputs as target-only decoding gives them."""
+def test_eager_steps_price_every_width(target, monkeypatch):
+    """Without graphs (CPU) the widths' steps are priced from eager steps on dummy rows at the
+    batch's eager size before the first choice, so the chooser weighs measured costs, not a
+    placeholder shape; the dummy steps leave the requests' outputs as target-only decoding
+    gives them."""
     root, folder, ref = target
+    timed, measure = [], CostTable.measure
+
+    def record(self, bs, width, *a, **k):
+        timed.append((bs, width))
+        return measure(self, bs, width, *a, **k)
+
+    monkeypatch.setattr(CostTable, "measure", record)
     e = _engine(root, folder, "dflash", 5, max_running_requests=16)
     d = e.drafter
     assert e.runner.graphs is None and not d.cost.measured
     assert [o["output_ids"] for o in e.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == ref
-    # the 16 prompts' batch, then smaller ones as requests finish: each size with every width
+    # the 16 prompts' batch, then smaller ones as requests finish: each size with every width,
+    # three of them timed by an eager step each and the rest interpolated between those
     sizes = {s for s, _ in d.cost.measured}
     assert 16 in sizes and sizes <= {1, 2, 4, 8, 16}
     assert set(d.cost.measured) == {(s, w) for s in sizes for w in d.widths}
     assert all(t > 0 for t in d.cost.measured.values())
+    assert sorted(timed) == sorted((s, w) for s in sizes for w in eager_timed_widths(d.widths))
+    for s in sizes:
+        t2, tw = d.cost.measured[(s, 2)], d.cost.measured[(s, d.width)]
+        mid = [d.cost.measured[(s, w)] for w in range(3, d.width)]
+        assert mid and all(min(t2, tw) <= t <= max(t2, tw) for t in mid)
     fixed = _engine(root, folder, "dflash", 5, adaptive=False)           # one width: no timing
     fixed.generate(input_ids=PROMPTS[:3], sampling_params=GREEDY)
     assert not fixed.drafter.cost.measured

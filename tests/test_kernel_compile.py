@@ -55,12 +55,12 @@ from blockspec.kernels import spec_commit as sc
 k = load_kernels(sc._KERNELS)._spec_commit_kernel
 i64 = "*i64"
 ptrs = dict(ACC=i64, BONUS=i64, DRAFTS=i64, SLOT=i64, CTR=i64, TOKEN=i64, PREFIX=i64, SCTR=i64,
-            TABLE="*fp32", ENGINE="*fp32", ENGINE_N="*fp32", OUT="*fp64", TOKS=i64,
-            alpha="fp32", engine_alpha="fp32", engine_prior_n="fp32")
-for bb, t, g, ewma, warps in ((1, 1, 7, True, 4), (1, 8, 7, False, 4), (64, 5, 4, True, 4),
-                              (256, 8, 7, True, 8)):
-    sm90(k, ptrs, dict(T=t, G=g, HAS_EWMA=ewma, BLOCK_B=bb, BLOCK_T=8, BLOCK_G=8),
-         num_warps=warps)
+            TABLE="*fp32", ENGINE="*fp32", ENGINE_N="*fp32", ENDED="*i32", OUT="*fp64",
+            TOKS=i64, STOP=i64, alpha="fp32", engine_alpha="fp32", engine_prior_n="fp32")
+for bb, t, g, ewma, stops, warps in ((1, 1, 7, True, 1, 4), (1, 8, 7, False, 0, 4),
+                                     (64, 5, 4, True, 2, 4), (256, 8, 7, True, 0, 8)):
+    sm90(k, ptrs, dict(T=t, G=g, HAS_EWMA=ewma, N_STOP=stops, BLOCK_B=bb, BLOCK_T=8,
+                       BLOCK_G=8), num_warps=warps)
 print("compiled")
 '''
 

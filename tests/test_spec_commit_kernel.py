@@ -49,24 +49,31 @@ def test_commit_fused_equals_reference(workers, mode, adaptive, bs, pad, width):
     acc = torch.randint(0, width, (n,), generator=g)
     bonus = torch.randint(0, VOCAB, (n,), generator=g)
     drafts = torch.randint(0, VOCAB, (n, w.gamma), generator=g)[:, :width - 1]   # a slice
+    if width > 1:       # row 0 commits an end-of-sequence id: its acceptance is not observed
+        drafts[0, 0], acc[0] = w.stop[0], max(int(acc[0]), 1)
     if adaptive:
         w.ewma.table.copy_(torch.rand(w.ewma.table.shape, generator=g))
         w.ewma.engine.copy_(torch.rand(w.ewma.engine.shape, generator=g))
         # observation counts 0-60: the running mean's first weights and the EWMA past them
         w.ewma.engine_n.copy_(torch.randint(0, 61, w.ewma.engine_n.shape, generator=g))
+        # requests that committed an end-of-sequence id in an earlier step (a new request in
+        # the slot, verify counter 0, does not inherit it)
+        w.ewma.ended.copy_(torch.randint(0, 2, w.ewma.ended.shape, generator=g))
     table = w.ewma.table.clone().to(mode) if adaptive else None
     engine = w.ewma.engine.clone().to(mode) if adaptive else None
     engine_n = w.ewma.engine_n.clone().to(mode) if adaptive else None
+    ended = w.ewma.ended.clone().to(mode) if adaptive else None
     # the step inputs are rows of one int64 block, as StepInputs keeps them (offset views)
     block = torch.stack([inp[k] for k in FIELDS]).to(mode)
     dev = {k: block[i] for i, k in enumerate(FIELDS)}
 
     want_toks, want = w.commit_reference(inp, acc, bonus, drafts, width)
     toks, got = spec_commit_fused(acc.to(mode), bonus.to(mode), drafts.to(mode), dev, table,
-                                  engine, engine_n, width=width, gamma=w.gamma, dummy=dummy,
+                                  engine, engine_n, ended, width=width, gamma=w.gamma, dummy=dummy,
                                   alpha=w.ewma.alpha if adaptive else 0.0,
                                   engine_alpha=w.ewma.engine_alpha if adaptive else 0.0,
-                                  engine_prior_n=w.ewma.engine_prior_n if adaptive else 0.0)
+                                  engine_prior_n=w.ewma.engine_prior_n if adaptive else 0.0,
+                                  stop=w.stop.to(mode))
     assert torch.equal(toks.cpu(), want_toks)
     assert got.shape == want.shape and got.dtype == torch.float64
     assert torch.equal(got.cpu()[:, :1 + 2 * width], want[:, :1 + 2 * width])
@@ -76,6 +83,8 @@ def test_commit_fused_equals_reference(workers, mode, adaptive, bs, pad, width):
     if adaptive:
         torch.testing.assert_close(engine.cpu(), w.ewma.engine, rtol=0, atol=1e-6)
         assert torch.equal(engine_n.cpu(), w.ewma.engine_n)
+        assert torch.equal(ended.cpu()[:-1], w.ewma.ended[:-1])
+        assert w.ewma.ended[inp["slot"][0]] == (width > 1)      # row 0 committed one
         torch.testing.assert_close(table.cpu()[:-1], w.ewma.table[:-1], rtol=0, atol=1e-6)
     # the check can fail: the inputs moved (real rows only) and the bonus is committed
     live = inp["slot"] != dummy

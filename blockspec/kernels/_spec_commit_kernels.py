@@ -8,10 +8,10 @@ import triton.language as tl
 
 @triton.jit
 def _spec_commit_kernel(ACC, BONUS, DRAFTS, SLOT, CTR, TOKEN, PREFIX, SCTR, TABLE, ENGINE,
-                        ENGINE_N, OUT, TOKS, B, s_d, dummy, alpha, engine_alpha,
+                        ENGINE_N, ENDED, OUT, TOKS, STOP, B, s_d, dummy, alpha, engine_alpha,
                         engine_prior_n, T: tl.constexpr,
-                        G: tl.constexpr, HAS_EWMA: tl.constexpr, BLOCK_B: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
+                        G: tl.constexpr, HAS_EWMA: tl.constexpr, N_STOP: tl.constexpr,
+                        BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
     rb = tl.arange(0, BLOCK_B)
     bm1 = rb < B
     b = rb[:, None]
@@ -43,6 +43,15 @@ def _spec_commit_kernel(ACC, BONUS, DRAFTS, SLOT, CTR, TOKEN, PREFIX, SCTR, TABL
         # engine_prior_n, until a step weighs less than engine_alpha), then the rows: a
         # request's first step starts from the engine row as this step leaves it
         tested = (jg <= a) & (jg < T - 1)
+        # a row whose request has committed an end-of-sequence id (STOP), in this step or
+        # in an earlier one, observes nothing
+        stopped = tok * 0
+        for s in tl.static_range(N_STOP):
+            stopped = stopped | ((tok == tl.load(STOP + s).to(tl.int64)) & (jt <= a)).to(tl.int64)
+        was = tl.load(ENDED + slot1, mask=bm1, other=0)
+        ended = (tl.reduce(stopped, 1, tl.standard._sum_combine) > 0) | ((was != 0) & (ctr1 != 0))
+        tl.store(ENDED + slot1, ended.to(tl.int32), mask=bm1)
+        tested = tested & (ended[:, None] == 0)
         hit = (jg < a).to(tl.float32)
         seen = (tested & (slot != dummy) & mg).to(tl.float32)
         n = tl.reduce(seen, 0, tl.standard._sum_combine)

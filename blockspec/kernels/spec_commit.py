@@ -15,14 +15,17 @@ _KERNELS = Path(__file__).with_name("_spec_commit_kernels.py")
 
 def spec_commit_fused(acc: torch.Tensor, bonus: torch.Tensor, drafts: torch.Tensor,
                       inp: dict[str, torch.Tensor], table: torch.Tensor | None,
-                      engine: torch.Tensor | None, engine_n: torch.Tensor | None, *,
+                      engine: torch.Tensor | None, engine_n: torch.Tensor | None,
+                      ended: torch.Tensor | None = None, *,
                       width: int, gamma: int, dummy: int, alpha: float,
-                      engine_alpha: float, engine_prior_n: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      engine_alpha: float, engine_prior_n: float,
+                      stop: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(committed tokens [B, width] int64, output [B, 1 + 2 width + 2 gamma] fp64: accepted
     drafts, tokens, zero logprobs, the rows' EWMA and the engine row). Updates ``table``
     [slots, gamma] / ``engine`` [gamma] and its sample counts ``engine_n`` [gamma] (all None:
-    a fixed width, EWMA columns zero) and advances ``inp``'s token, prefix, sample_ctr and
+    a fixed width, EWMA columns zero), where a row whose request has committed one of the
+    end-of-sequence ids ``stop`` (int64 [S]), now or before (``ended`` [slots] int32, kept
+    here), observes nothing, and advances ``inp``'s token, prefix, sample_ctr and
     verify_ctr in place, as ``SpecWorker.commit_reference`` does."""
     bs = acc.shape[0]
     toks = torch.empty(bs, width, dtype=torch.int64, device=acc.device)
@@ -32,12 +35,15 @@ def spec_commit_fused(acc: torch.Tensor, bonus: torch.Tensor, drafts: torch.Tens
     d = drafts if drafts.numel() == 0 or drafts.stride(-1) == 1 else drafts.contiguous()
     d = d if d.numel() else acc                     # width 1: no drafts (never read)
     has_ewma = table is not None
+    n_stop = 0 if stop is None or not has_ewma else stop.numel()
     load_kernels(_KERNELS)._spec_commit_kernel[(1,)](
         acc.contiguous(), bonus.contiguous(), d, inp["slot"], inp["verify_ctr"], inp["token"],
         inp["prefix"], inp["sample_ctr"], table if has_ewma else out,
-        engine if has_ewma else out, engine_n if has_ewma else out, out, toks, bs, d.stride(0) if drafts.numel() else 0,
+        engine if has_ewma else out, engine_n if has_ewma else out,
+        ended if has_ewma else out, out, toks,
+        stop if n_stop else acc, bs, d.stride(0) if drafts.numel() else 0,
         int(dummy), float(alpha), float(engine_alpha), float(engine_prior_n), T=width, G=gamma,
-        HAS_EWMA=has_ewma,
+        HAS_EWMA=has_ewma, N_STOP=n_stop,
         BLOCK_B=next_pow2(bs), BLOCK_T=next_pow2(width), BLOCK_G=next_pow2(max(gamma, 1)),
         **({} if interpreting() else {"num_warps": 4 if bs * (width + gamma) <= 4096 else 8}))
     return toks, out

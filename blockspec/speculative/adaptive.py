@@ -10,7 +10,8 @@ w chosen for the whole batch to maximise expected committed tokens per second.
   optimistic prior before any verify), and the chooser leans on it where the batch is small.
 * Cost table (``CostTable``): step seconds per (batch size, width), timed at start-up on the
   dummy rows: a captured size by replays of its graphs, a batch that runs eagerly (CPU, no
-  graphs, past the largest graph) by eager steps at its power-of-two size (``eager_size``).
+  graphs, past the largest graph) by eager steps at its power-of-two size (``eager_size``)
+  of three widths, the others interpolated (``eager_timed_widths``).
   Only under tensor parallelism without graphs does an analytic shape stand in (a dummy step
   on rank 0 alone would wait on the workers' collectives). From then on every step the
   engine runs is timed on the device (CUDA events around it, read with its outputs: no sync)
@@ -52,7 +53,7 @@ WIDTH_BUDGET = 8
 # shape, not a measurement)
 DRAFT_SHARE, ROWS_KNEE = 0.15, 256.0
 # timed steps per cost-table entry: graph replays after an untimed one; an eager step once,
-# untimed runs none (on a CPU tens of ms each, eight widths at every size a batch drains
+# untimed runs none (on a CPU tens of ms each, three widths at every size a batch drains
 # through; the live steps refine the entry)
 GRAPH_REPS, EAGER_REPS = 5, 1
 LIVE_ALPHA = 0.1        # the cost table's EWMA rate over the engine's own timed steps
@@ -83,6 +84,15 @@ def eager_size(bs: int, max_bs: int) -> int:
     return min(1 << max(bs - 1, 0).bit_length(), max(max_bs, bs))
 
 
+def eager_timed_widths(widths: Sequence[int]) -> tuple[int, ...]:
+    """The widths an eager size times by a step each: the narrowest (no draft forward), the
+    next (the draft's fixed cost) and the widest. An eager step's cost grows about linearly
+    in its verify rows past the draft's, so the others are interpolated
+    (``CostTable.interpolate``): on a CPU the widest steps cost the most to time, and these
+    three are about a third of all eight widths' time."""
+    return tuple(widths) if len(widths) <= 3 else (widths[0], widths[1], widths[-1])
+
+
 def expected_tokens(p: Sequence[float], width: int) -> float:
     """Expected committed tokens of a step at ``width`` given conditional per-position
     acceptance ``p`` (the bonus always commits)."""
@@ -110,18 +120,29 @@ class AcceptanceEWMA:
                                 device=device)
         self.engine = torch.full((max(positions, 1),), prior, dtype=torch.float32, device=device)
         self.engine_n = torch.zeros_like(self.engine)    # observations of each position
+        # per slot: its request has committed an end-of-sequence id (int32 0 / 1)
+        self.ended = torch.zeros(slots, dtype=torch.int32, device=device)
         self.dummy = slots - 1
         self._pos = torch.arange(self.table.shape[1], device=device)
 
     def update(self, slot: torch.Tensor, verify_ctr: torch.Tensor, accepted: torch.Tensor,
-               width: int) -> torch.Tensor:
+               width: int, ended: torch.Tensor | None = None) -> torch.Tensor:
         """Fold one step (``accepted`` drafts of ``width - 1`` verified) into the rows of
         ``slot`` and into the engine row; a request's first step (``verify_ctr`` 0) starts
-        from the engine row as this step leaves it. Returns what the step reports, [B, 2P]
+        from the engine row as this step leaves it. A row that ``ended`` (its committed
+        tokens hold an end-of-sequence id) observes nothing in this step and in the steps its
+        request still runs after it (launched ahead before the host saw the end): a draft
+        that misses the end of its answer, or the text past it, says nothing of the requests
+        that go on, and at a batch's end, where most steps are such, those misses dragged the
+        engine row that the next requests start from. Returns what the step reports, [B, 2P]
         fp64: the rows' new values, then the new engine row in every row. (A speculative step
         on CUDA runs this inside ``kernels/spec_commit.py``'s launch.)"""
         j, a = self._pos[None], accepted[:, None]
         tested = (j <= a) & (j < width - 1)     # nothing at width 1: only new rows change
+        done = (self.ended[slot] != 0) & (verify_ctr != 0)
+        done = done if ended is None else done | ended
+        self.ended[slot] = done.to(self.ended.dtype)
+        tested = tested & ~done[:, None]
         hit = (j < a).to(self.engine.dtype)
         # the engine row first: the running mean of every observation (the prior counting as
         # engine_prior_n) until a step would weigh less than engine_alpha
@@ -180,6 +201,18 @@ class CostTable:
             times.append(time.perf_counter() - t0)
         self.measured[(bs, width)] = statistics.median(times)
         return self.measured[(bs, width)]
+
+    def interpolate(self, bs: int, widths: Sequence[int]) -> None:
+        """Entries for the ``widths`` not timed at ``bs``: linear in the width between the
+        nearest timed widths on either side (``eager_timed_widths``)."""
+        timed = sorted(w for w in widths if (bs, w) in self.measured)
+        for w in widths:
+            lo = max((t for t in timed if t < w), default=None)
+            hi = min((t for t in timed if t > w), default=None)
+            if (bs, w) in self.measured or lo is None or hi is None:
+                continue
+            a, b = self.measured[(bs, lo)], self.measured[(bs, hi)]
+            self.measured[(bs, w)] = a + (b - a) * (w - lo) / (hi - lo)
 
     def size(self, bs: int, width: int) -> int:
         """The table size a batch of ``bs`` reads: the smallest measured size >= ``bs`` with

@@ -39,7 +39,8 @@ from blockspec.sampling import Stream, logprobs_of, uniforms
 from blockspec.simulated_text import simulated_text
 from blockspec.speculative.accept import verify_block
 from blockspec.speculative.adaptive import (EAGER_REPS, GRAPH_REPS, AcceptanceEWMA, CostTable,
-                                             WidthChooser, candidate_widths, eager_size)
+                                             WidthChooser, candidate_widths, eager_size,
+                                             eager_timed_widths)
 from blockspec.speculative.draft_head import make_draft_head
 from blockspec.speculative.draft_loader import load_draft
 from blockspec.speculative.simulated_accept import SimulatedAcceptance
@@ -74,6 +75,10 @@ class SpecWorker:
         # a step) and report zeros in its columns
         self.ewma = (AcceptanceEWMA(self.memory.dummy_slot + 1, self.gamma, self.memory.device)
                      if len(self.widths) > 1 else None)
+        # the model's end-of-sequence ids: the step that commits one is a request's last, and
+        # its acceptance is not folded into the EWMA
+        self.stop = torch.tensor(runner.cfg.eos_token_id, dtype=torch.long,
+                                 device=self.memory.device).reshape(-1)
         self._fns = {w: self._step_at(w) for w in self.widths}
         # grammar-constrained steps: propose -> verify forward -> masked finish, eagerly: the
         # three phases replayed as graphs made an illegal memory access on the GPU under a
@@ -123,27 +128,30 @@ class SpecWorker:
         the smaller sizes), captured together so the width can change on a step launched
         ahead; then each (size, width) new to the cost table is timed on dummy rows: graph
         replays at the captured sizes, eager steps at ``eager_size`` for a batch that runs
-        eagerly (not under tensor parallelism: rank 0's dummy step would wait on the
-        workers' collectives, so the analytic shape stays there)."""
+        eagerly, of three widths with the rest interpolated (``eager_timed_widths``; not under
+        tensor parallelism: rank 0's dummy step would wait on the workers' collectives, so the
+        analytic shape stays there)."""
         runner, graphs, key = self.runner, self.runner.graphs, batch.sampling_key()
         padded = graphs.padded_size(batch.size) if graphs is not None else None
         if padded is not None:
             for w in self.widths:
                 runner.ensure_graph(f"spec{w}", key, padded, self._fns[w])
             sizes, reps, warm = [s for s in graphs.sizes if s <= padded], GRAPH_REPS, True
+            timed = self.widths
 
             def run(size: int, w: int) -> object:
                 return graphs.replay((f"spec{w}", key, size))
         elif self.target.tp.size == 1:
             runner.reserve_buffers(batch)
             sizes, reps, warm = [eager_size(batch.size, runner.inputs.max_bs)], EAGER_REPS, False
+            timed = eager_timed_widths(self.widths)
 
             def run(size: int, w: int) -> object:
                 runner.host_max_seq_len = w      # the dummy rows' context: their verify block
                 return self._fns[w](runner.inputs.view(size), key)
         else:
             return
-        todo = [(s, w) for s in sizes for w in self.widths if (s, w) not in self.cost.measured]
+        todo = [(s, w) for s in sizes for w in timed if (s, w) not in self.cost.measured]
         if len(self.widths) == 1 or not todo:
             return
         g = torch.Generator().manual_seed(0)
@@ -152,6 +160,8 @@ class SpecWorker:
         for size, w in todo:
             self.cost.measure(size, w, lambda size=size, w=w: run(size, w), self.memory.device,
                               reps, warm)
+        for size in sizes:
+            self.cost.interpolate(size, self.widths)
 
     def begin(self, batch: StepBatch | None, prev: Launched | None = None) -> Pending:
         """A constrained step's draft and verify forwards (``runtime/phases.py``); its verify
@@ -305,8 +315,12 @@ class SpecWorker:
         folded in and the inputs advanced. ``commit_fused`` is the same in one launch."""
         B, T = drafts.shape[0], width
         toks = torch.cat([drafts, bonus[:, None]], dim=1).scatter(1, acc[:, None], bonus[:, None])
-        ewma = (self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T)
-                if self.ewma is not None else acc.new_zeros(B, 2 * self.gamma, dtype=torch.float64))
+        if self.ewma is not None:   # a row that committed an end-of-sequence id observes nothing
+            ended = ((toks[..., None] == self.stop).any(-1)
+                     & (torch.arange(T, device=toks.device)[None] <= acc[:, None])).any(1)
+            ewma = self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T, ended)
+        else:
+            ewma = acc.new_zeros(B, 2 * self.gamma, dtype=torch.float64)
         self.runner.advance_inputs(inp, bonus, acc + 1, verified=True)
         zero_lps = acc.new_zeros(B, T, dtype=torch.float64)
         return toks, torch.cat([acc[:, None].double(), toks.double(), zero_lps, ewma], dim=1)
@@ -317,11 +331,12 @@ class SpecWorker:
         e = self.ewma
         return spec_commit_fused(acc, bonus, drafts, inp, None if e is None else e.table,
                                  None if e is None else e.engine,
-                                 None if e is None else e.engine_n, width=width, gamma=self.gamma,
+                                 None if e is None else e.engine_n,
+                                 None if e is None else e.ended, width=width, gamma=self.gamma,
                                  dummy=self.memory.dummy_slot,
                                  alpha=e.alpha if e else 0.0,
                                  engine_alpha=e.engine_alpha if e else 0.0,
-                                 engine_prior_n=e.engine_prior_n if e else 0.0)
+                                 engine_prior_n=e.engine_prior_n if e else 0.0, stop=self.stop)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the draft rows: the worker's NVFP4 head copy if it made one, else
