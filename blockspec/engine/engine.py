@@ -226,19 +226,19 @@ class Engine:
         runner_args = (model, self.memory, self.backends, options)
         self.runner = (self._tp.mirrored_runner(*runner_args) if self._tp is not None
                        else ModelRunner(*runner_args))
+        eos = list(config.eos_token_id)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
         self.drafter = None
         if draft is not None:
             self.drafter = SpecWorker(draft, self.runner, self.backends.draft, self.dtype,
                                       args.speculative_draft_lm_head,
-                                      adaptive=args.speculative_adaptive)
+                                      adaptive=args.speculative_adaptive, eos_token_ids=eos)
         elif args.speculative_algorithm:
             self.drafter = build_spec_worker(args, self.runner, self.backends.draft, self.dtype,
-                                             self.device)
+                                             self.device, eos_token_ids=eos)
         if self._tp is not None:
             self.drafter = self._tp.ready(self.drafter)
-        eos = list(config.eos_token_id)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.append(tokenizer.eos_token_id)
         # structured output; xgrammar is loaded by the first constrained request
         self._grammars = (GrammarCompiler(tokenizer.backend, config.vocab_size, eos)
                           if tokenizer is not None else None)

@@ -16,7 +16,7 @@ _KERNELS = Path(__file__).with_name("_spec_commit_kernels.py")
 def spec_commit_fused(acc: torch.Tensor, bonus: torch.Tensor, drafts: torch.Tensor,
                       inp: dict[str, torch.Tensor], table: torch.Tensor | None,
                       engine: torch.Tensor | None, engine_n: torch.Tensor | None,
-                      ended: torch.Tensor | None = None, *,
+                      ended: torch.Tensor | None, *,
                       width: int, gamma: int, dummy: int, alpha: float,
                       engine_alpha: float, engine_prior_n: float,
                       stop: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

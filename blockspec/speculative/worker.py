@@ -21,6 +21,8 @@ acceptance EWMA, which the host's chooser reads with the step's other outputs.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from blockspec.args import EngineArgs
@@ -48,7 +50,8 @@ from blockspec.speculative.simulated_accept import SimulatedAcceptance
 
 class SpecWorker:
     def __init__(self, draft: DFlashDraftModel, runner: ModelRunner, draft_backend: str,
-                 dtype: torch.dtype, draft_lm_head: str = "auto", adaptive: bool = False) -> None:
+                 dtype: torch.dtype, draft_lm_head: str = "auto", adaptive: bool = False,
+                 eos_token_ids: Sequence[int] | None = None) -> None:
         self.draft, self.runner, self.target = draft, runner, runner.model
         draft.fuse()
         # None: the draft scores with its own head, else the target's (DFlashDraftModel)
@@ -75,9 +78,11 @@ class SpecWorker:
         # a step) and report zeros in its columns
         self.ewma = (AcceptanceEWMA(self.memory.dummy_slot + 1, self.gamma, self.memory.device)
                      if len(self.widths) > 1 else None)
-        # the model's end-of-sequence ids: the step that commits one is a request's last, and
-        # its acceptance is not folded into the EWMA
-        self.stop = torch.tensor(runner.cfg.eos_token_id, dtype=torch.long,
+        # the end-of-sequence ids the scheduler stops on (default: the model config's): the
+        # step that commits one is a request's last, and its acceptance is not folded into
+        # the EWMA
+        eos = runner.cfg.eos_token_id if eos_token_ids is None else eos_token_ids
+        self.stop = torch.tensor(sorted(set(eos)), dtype=torch.long,
                                  device=self.memory.device).reshape(-1)
         self._fns = {w: self._step_at(w) for w in self.widths}
         # grammar-constrained steps: propose -> verify forward -> masked finish, eagerly: the
@@ -349,8 +354,9 @@ class SpecWorker:
 
 
 def build_spec_worker(args: EngineArgs, runner: ModelRunner, draft_backend: str,
-                      dtype: torch.dtype, device: torch.device) -> SpecWorker:
+                      dtype: torch.dtype, device: torch.device,
+                      eos_token_ids: Sequence[int] | None = None) -> SpecWorker:
     draft = load_draft(args.speculative_draft_model_path, runner.cfg, dtype, device,
                        args.speculative_num_draft_tokens, expect=args.speculative_algorithm)
     return SpecWorker(draft, runner, draft_backend, dtype, args.speculative_draft_lm_head,
-                      adaptive=args.speculative_adaptive)
+                      adaptive=args.speculative_adaptive, eos_token_ids=eos_token_ids)
