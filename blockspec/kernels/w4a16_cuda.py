@@ -120,8 +120,13 @@ def cached_cubin(lib: ctypes.CDLL, shape: tuple[int, int, int, int, int], arch: 
 def compile_cubin(lib: ctypes.CDLL, m_tiles: int, n_tiles: int, k_warps: int, prefetch: int,
                   k: int, arch: str) -> bytes:
     """The kernel for one tile shape and K, compiled by NVRTC (``lib``) for ``arch``."""
-    src = (f"#define MT {m_tiles}\n#define NT {n_tiles}\n#define KW {k_warps}\n"
-           f"#define PF {prefetch}\n#define KDIM {k}\n" + SOURCE.read_text())
+    return nvrtc_cubin(lib, f"#define MT {m_tiles}\n#define NT {n_tiles}\n#define KW {k_warps}\n"
+                       f"#define PF {prefetch}\n#define KDIM {k}\n" + SOURCE.read_text(), arch)
+
+
+def nvrtc_cubin(lib: ctypes.CDLL, src: str, arch: str) -> bytes:
+    """CUDA source -> cubin for ``arch`` (e.g. "sm_90") by NVRTC (``lib``); the compile log
+    in the error when it fails."""
     prog = ctypes.c_void_p()
     _nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"w4a16_cuda.cu",
                                        0, None, None), "nvrtcCreateProgram")
