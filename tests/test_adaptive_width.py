@@ -147,7 +147,7 @@ def test_eager_sizes_time_three_widths_and_interpolate_the_rest():
 
 def test_ewma_update():
     e = AcceptanceEWMA(slots=3, positions=4, device=torch.device("cpu"), alpha=0.5, prior=0.8,
-                       engine_alpha=0.05, engine_prior_n=2.0)
+                       engine_alpha=0.05, engine_prior_n=2.0, stop=(7, 2))
     slot, first = torch.tensor([0, 1]), torch.tensor([0, 0])
     # width 4 (3 drafts verified): row 0 accepted 1 -> pos 0 hit, pos 1 missed, pos 2-3 unseen;
     # row 1 accepted 3 -> pos 0-2 hit, pos 3 (never verified at width 4) unseen
@@ -189,8 +189,9 @@ def test_ewma_update():
     # a row that ended (committed an end-of-sequence id) observes nothing: its misses move
     # neither its row nor the engine row; the other row's do
     rows, eng = e.table[:2].clone(), e.engine.clone()
+    # (row 1's stop id comes after its committed tokens: it goes on)
     cols = e.update(many, torch.tensor([1, 1]), torch.tensor([0, 0]), width=4,
-                    ended=torch.tensor([True, False]))
+                    tokens=torch.tensor([[2, 5, 5, 5], [5, 7, 5, 5]]))
     assert torch.equal(e.table[0], rows[0]) and torch.equal(cols[0, :4].float(), rows[0])
     assert e.table[1, 0].item() == pytest.approx(rows[1, 0].item() / 2)
     assert e.engine[0].item() == pytest.approx(eng[0].item() * (1 - 0.05))

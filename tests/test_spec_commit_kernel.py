@@ -50,7 +50,7 @@ def test_commit_fused_equals_reference(workers, mode, adaptive, bs, pad, width):
     bonus = torch.randint(0, VOCAB, (n,), generator=g)
     drafts = torch.randint(0, VOCAB, (n, w.gamma), generator=g)[:, :width - 1]   # a slice
     if width > 1:       # row 0 commits an end-of-sequence id: its acceptance is not observed
-        drafts[0, 0], acc[0] = w.stop[0], max(int(acc[0]), 1)
+        drafts[0, 0], acc[0] = w.runner.cfg.eos_token_id[0], max(int(acc[0]), 1)
     if adaptive:
         w.ewma.table.copy_(torch.rand(w.ewma.table.shape, generator=g))
         w.ewma.engine.copy_(torch.rand(w.ewma.engine.shape, generator=g))
@@ -63,17 +63,18 @@ def test_commit_fused_equals_reference(workers, mode, adaptive, bs, pad, width):
     engine = w.ewma.engine.clone().to(mode) if adaptive else None
     engine_n = w.ewma.engine_n.clone().to(mode) if adaptive else None
     ended = w.ewma.ended.clone().to(mode) if adaptive else None
+    stop = w.ewma.stop.to(mode) if adaptive else None
     # the step inputs are rows of one int64 block, as StepInputs keeps them (offset views)
     block = torch.stack([inp[k] for k in FIELDS]).to(mode)
     dev = {k: block[i] for i, k in enumerate(FIELDS)}
 
     want_toks, want = w.commit_reference(inp, acc, bonus, drafts, width)
     toks, got = spec_commit_fused(acc.to(mode), bonus.to(mode), drafts.to(mode), dev, table,
-                                  engine, engine_n, ended, width=width, gamma=w.gamma, dummy=dummy,
+                                  engine, engine_n, ended, stop, width=width, gamma=w.gamma,
+                                  dummy=dummy,
                                   alpha=w.ewma.alpha if adaptive else 0.0,
                                   engine_alpha=w.ewma.engine_alpha if adaptive else 0.0,
-                                  engine_prior_n=w.ewma.engine_prior_n if adaptive else 0.0,
-                                  stop=w.stop.to(mode))
+                                  engine_prior_n=w.ewma.engine_prior_n if adaptive else 0.0)
     assert torch.equal(toks.cpu(), want_toks)
     assert got.shape == want.shape and got.dtype == torch.float64
     assert torch.equal(got.cpu()[:, :1 + 2 * width], want[:, :1 + 2 * width])

@@ -16,10 +16,10 @@ _KERNELS = Path(__file__).with_name("_spec_commit_kernels.py")
 def spec_commit_fused(acc: torch.Tensor, bonus: torch.Tensor, drafts: torch.Tensor,
                       inp: dict[str, torch.Tensor], table: torch.Tensor | None,
                       engine: torch.Tensor | None, engine_n: torch.Tensor | None,
-                      ended: torch.Tensor | None, *,
+                      ended: torch.Tensor | None, stop: torch.Tensor | None, *,
                       width: int, gamma: int, dummy: int, alpha: float,
-                      engine_alpha: float, engine_prior_n: float,
-                      stop: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      engine_alpha: float, engine_prior_n: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(committed tokens [B, width] int64, output [B, 1 + 2 width + 2 gamma] fp64: accepted
     drafts, tokens, zero logprobs, the rows' EWMA and the engine row). Updates ``table``
     [slots, gamma] / ``engine`` [gamma] and its sample counts ``engine_n`` [gamma] (all None:
@@ -35,7 +35,7 @@ def spec_commit_fused(acc: torch.Tensor, bonus: torch.Tensor, drafts: torch.Tens
     d = drafts if drafts.numel() == 0 or drafts.stride(-1) == 1 else drafts.contiguous()
     d = d if d.numel() else acc                     # width 1: no drafts (never read)
     has_ewma = table is not None
-    n_stop = 0 if stop is None or not has_ewma else stop.numel()
+    n_stop = stop.numel() if has_ewma else 0
     load_kernels(_KERNELS)._spec_commit_kernel[(1,)](
         acc.contiguous(), bonus.contiguous(), d, inp["slot"], inp["verify_ctr"], inp["token"],
         inp["prefix"], inp["sample_ctr"], table if has_ewma else out,

@@ -110,11 +110,12 @@ class AcceptanceEWMA:
     ``ENGINE_PRIOR_N`` of them, and turns into its EWMA once a step would weigh less than
     ``engine_alpha``: a prior is a guess, and one that outweighs the first verifies can hold
     the chooser at width 1, where nothing is observed. A request's row starts from the engine
-    row as this step leaves it, so a batch of new requests starts from its own first rate."""
+    row as this step leaves it, so a batch of new requests starts from its own first rate.
+    ``stop``: the end-of-sequence ids the scheduler stops on (see ``update``)."""
 
     def __init__(self, slots: int, positions: int, device: torch.device, alpha: float = 0.25,
                  prior: float = PRIOR, engine_alpha: float = ENGINE_ALPHA,
-                 engine_prior_n: float = ENGINE_PRIOR_N) -> None:
+                 engine_prior_n: float = ENGINE_PRIOR_N, stop: Sequence[int] = ()) -> None:
         self.alpha, self.engine_alpha, self.engine_prior_n = alpha, engine_alpha, engine_prior_n
         self.table = torch.full((slots, max(positions, 1)), prior, dtype=torch.float32,
                                 device=device)
@@ -122,15 +123,16 @@ class AcceptanceEWMA:
         self.engine_n = torch.zeros_like(self.engine)    # observations of each position
         # per slot: its request has committed an end-of-sequence id (int32 0 / 1)
         self.ended = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.stop = torch.tensor(sorted(set(stop)), dtype=torch.long, device=device)
         self.dummy = slots - 1
         self._pos = torch.arange(self.table.shape[1], device=device)
 
     def update(self, slot: torch.Tensor, verify_ctr: torch.Tensor, accepted: torch.Tensor,
-               width: int, ended: torch.Tensor | None = None) -> torch.Tensor:
+               width: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Fold one step (``accepted`` drafts of ``width - 1`` verified) into the rows of
         ``slot`` and into the engine row; a request's first step (``verify_ctr`` 0) starts
-        from the engine row as this step leaves it. A row that ``ended`` (its committed
-        tokens hold an end-of-sequence id) observes nothing in this step and in the steps its
+        from the engine row as this step leaves it. A row whose committed ``tokens`` ([B,
+        width], the first ``accepted`` + 1 committed) hold a ``stop`` id observes nothing in this step and in the steps its
         request still runs after it (launched ahead before the host saw the end): a draft
         that misses the end of its answer, or the text past it, says nothing of the requests
         that go on, and at a batch's end, where most steps are such, those misses dragged the
@@ -140,7 +142,9 @@ class AcceptanceEWMA:
         j, a = self._pos[None], accepted[:, None]
         tested = (j <= a) & (j < width - 1)     # nothing at width 1: only new rows change
         done = (self.ended[slot] != 0) & (verify_ctr != 0)
-        done = done if ended is None else done | ended
+        if tokens is not None:
+            committed = torch.arange(width, device=tokens.device)[None] <= a
+            done = done | ((tokens[..., None] == self.stop).any(-1) & committed).any(1)
         self.ended[slot] = done.to(self.ended.dtype)
         tested = tested & ~done[:, None]
         hit = (j < a).to(self.engine.dtype)

@@ -76,14 +76,11 @@ class SpecWorker:
         runner.time_steps = len(self.widths) > 1      # each step's time refines the cost table
         # a fixed width has nothing to choose: its steps skip the EWMA (28 small kernels
         # a step) and report zeros in its columns
-        self.ewma = (AcceptanceEWMA(self.memory.dummy_slot + 1, self.gamma, self.memory.device)
-                     if len(self.widths) > 1 else None)
-        # the end-of-sequence ids the scheduler stops on (default: the model config's): the
-        # step that commits one is a request's last, and its acceptance is not folded into
-        # the EWMA
+        # a step that commits one of the end-of-sequence ids the scheduler stops on (default:
+        # the model config's) is its request's last: the EWMA does not fold it in
         eos = runner.cfg.eos_token_id if eos_token_ids is None else eos_token_ids
-        self.stop = torch.tensor(sorted(set(eos)), dtype=torch.long,
-                                 device=self.memory.device).reshape(-1)
+        self.ewma = (AcceptanceEWMA(self.memory.dummy_slot + 1, self.gamma, self.memory.device,
+                                    stop=eos) if len(self.widths) > 1 else None)
         self._fns = {w: self._step_at(w) for w in self.widths}
         # grammar-constrained steps: propose -> verify forward -> masked finish, eagerly: the
         # three phases replayed as graphs made an illegal memory access on the GPU under a
@@ -322,12 +319,8 @@ class SpecWorker:
         folded in and the inputs advanced. ``commit_fused`` is the same in one launch."""
         B, T = drafts.shape[0], width
         toks = torch.cat([drafts, bonus[:, None]], dim=1).scatter(1, acc[:, None], bonus[:, None])
-        if self.ewma is not None:   # a row that committed an end-of-sequence id observes nothing
-            ended = ((toks[..., None] == self.stop).any(-1)
-                     & (torch.arange(T, device=toks.device)[None] <= acc[:, None])).any(1)
-            ewma = self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T, ended)
-        else:
-            ewma = acc.new_zeros(B, 2 * self.gamma, dtype=torch.float64)
+        ewma = (self.ewma.update(inp["slot"], inp["verify_ctr"], acc, T, toks)
+                if self.ewma is not None else acc.new_zeros(B, 2 * self.gamma, dtype=torch.float64))
         self.runner.advance_inputs(inp, bonus, acc + 1, verified=True)
         zero_lps = acc.new_zeros(B, T, dtype=torch.float64)
         return toks, torch.cat([acc[:, None].double(), toks.double(), zero_lps, ewma], dim=1)
@@ -339,11 +332,12 @@ class SpecWorker:
         return spec_commit_fused(acc, bonus, drafts, inp, None if e is None else e.table,
                                  None if e is None else e.engine,
                                  None if e is None else e.engine_n,
-                                 None if e is None else e.ended, width=width, gamma=self.gamma,
+                                 None if e is None else e.ended,
+                                 None if e is None else e.stop, width=width, gamma=self.gamma,
                                  dummy=self.memory.dummy_slot,
                                  alpha=e.alpha if e else 0.0,
                                  engine_alpha=e.engine_alpha if e else 0.0,
-                                 engine_prior_n=e.engine_prior_n if e else 0.0, stop=self.stop)
+                                 engine_prior_n=e.engine_prior_n if e else 0.0)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the draft rows: the worker's NVFP4 head copy if it made one, else
