@@ -49,7 +49,7 @@ def _routings(tokens: int, calls: int, seed: int) -> list[torch.Tensor]:
             .to("cuda") for _ in range(calls)]
 
 
-def _time(fn, calls: int, reps: int) -> float:
+def time_graph(fn, calls: int, reps: int) -> float:
     """Mean µs per call of ``fn(i)`` for i < calls, replayed in one graph."""
     for i in range(calls):
         fn(i)
@@ -162,7 +162,7 @@ def _report(key: dict, runs: list, args, expert_bytes: int, distinct: float) -> 
     times = {}
     for name, fn in runs:
         err = ((fn(0).float() - ref).norm() / ref.norm()).item()
-        us = times[name] = _time(fn, args.calls, args.reps)
+        us = times[name] = time_graph(fn, args.calls, args.reps)
         print(json.dumps({**key, "kernel": name, "us": round(us, 2),
                           "distinct_experts": round(distinct, 1),
                           "gb_s": round(distinct * expert_bytes / us / 1e3, 1),

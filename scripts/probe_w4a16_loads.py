@@ -9,7 +9,7 @@ per expert and 32 rows, 4 warps splitting K round-robin) but only loads and XORs
     lane16        the same without the scale bytes
     stream        the same bytes as one contiguous copy-like read (16 B a thread)
 
-Timed by CUDA-graph replay over 4 copies of the weights (so every call reads DRAM); prints
+Timed by CUDA-graph replay (``bench_w4a16_cuda.time_graph``) over 4 copies of the weights (so every call reads DRAM); prints
 one JSON line per probe with µs and TB/s of the bytes each one reads.
 
     python scripts/probe_w4a16_loads.py [--unroll 2]
@@ -20,6 +20,8 @@ import argparse
 import json
 
 import torch
+
+from bench_w4a16_cuda import time_graph  # scripts/: the graph-replay timer
 
 from blockspec.kernels import w4a16_cuda as tc
 
@@ -102,25 +104,8 @@ def main() -> None:
         fn = compile_probe(mode, a.unroll)
         scale = mode in (0, 2, 4)
         nbytes = e * n * k // 2 + (e * n * k // 16 if scale else 0)
-
-        def call(i: int) -> None:
-            fn(grid=grid, block=(128, 1, 1), args=[ws[i], ss[i], out, n, k])
-        for i in range(a.copies):
-            call(i)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(a.copies):
-                call(i)
-        graph.replay()
-        torch.cuda.synchronize()
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        for _ in range(a.reps):
-            graph.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        us = t0.elapsed_time(t1) * 1e3 / (a.reps * a.copies)
+        us = time_graph(lambda i, fn=fn: fn(grid=grid, block=(128, 1, 1),
+                                            args=[ws[i], ss[i], out, n, k]), a.copies, a.reps)
         print(json.dumps({"probe": name, "unroll": a.unroll, "us": round(us, 2),
                           "MB": round(nbytes / 1e6, 1), "TBps": round(nbytes / us / 1e6, 3),
                           "device": torch.cuda.get_device_name()}), flush=True)
