@@ -42,6 +42,12 @@
 #   batch1     batch 1 of the quantized full preset: AR, DFlash widths 6-8 pinned and adaptive,
 #              DSpark gamma 3 pinned and adaptive up to width 8 (published profiles), and the
 #              DFlash width-7 and DSpark gamma-3 steps' profiles
+#   abreplay   an A/B of the batch-1 steps' graph replays (profile_step: AR, DFlash width 7,
+#              DSpark gamma 3) between this tree and the tree in folder $BASE, interleaved on
+#              one machine: make it with `git archive REF | tar -x -C _ab_base` (untracked, so
+#              it travels with the working tree; docs/ and the demo weights may go, not
+#              blockspec/demo_family's modules, which the engine imports); one line a run in
+#              $OUT/replays.txt
 # REQUIRE_GPU=H200 stops at once (exit 3) on any other card: a call that may land on either
 # kind then costs only its start when the wrong one comes.
 set -uo pipefail
@@ -255,6 +261,21 @@ steady)
       --speculative-adaptive --fixed-widths 3,4,5,6 --simulate-accept-profile dflash-published \
       --out "$OUT/steady.jsonl" 2>>"$OUT/stderr.log" >/dev/null
   python3 scripts/adaptive_table.py "$OUT/ar_steady.jsonl" "$OUT/steady.jsonl"
+  ;;
+abreplay)
+  out=$(realpath "$OUT")
+  for spec in "ar:" \
+      "dflash7:--draft dflash-nemotron35 --width 8 --step-width 7 --simulate-accept-length 4.41" \
+      "dspark4:--draft dspark-nemotron35 --width 4 --simulate-accept-length 3.7"; do
+    for tree in . ${BASE:-}; do
+      tag=${spec%%:*}_$([ "$tree" = . ] && echo this || echo base)
+      (cd "$tree" && PYTHONPATH=$PWD timeout 130 python3 scripts/profile_step.py \
+          --preset nemotron-3.5-lightning --quantized ${spec#*:} --out "$out/prof_$tag.txt" \
+          2>>"$out/stderr.log" >/dev/null)
+      echo "$tag $(grep -h 'graph replay: ' "$out/prof_$tag.txt" 2>/dev/null | head -1)" \
+          | tee -a "$out/replays.txt"
+    done
+  done
   ;;
 batch1)
   widths_rows 1 6,7,8 150
