@@ -43,8 +43,8 @@
 #              DSpark gamma 3 pinned and adaptive up to width 8 (published profiles), and the
 #              DFlash width-7 and DSpark gamma-3 steps' profiles
 #   abreplay   an A/B of the batch-1 steps' graph replays (profile_step: AR, DFlash width 7,
-#              DSpark gamma 3) between this tree and the tree in folder $BASE, interleaved on
-#              one machine: make it with `git archive REF | tar -x -C _ab_base` (untracked, so
+#              DSpark gamma 3) between this tree and the trees in the folders $BASE (a space
+#              list; rows tagged by folder name), interleaved on one machine: make it with `git archive REF | tar -x -C _ab_base` (untracked, so
 #              it travels with the working tree; docs/ and the demo weights may go, not
 #              blockspec/demo_family's modules, which the engine imports); one line a run in
 #              $OUT/replays.txt
@@ -268,7 +268,7 @@ abreplay)
       "dflash7:--draft dflash-nemotron35 --width 8 --step-width 7 --simulate-accept-length 4.41" \
       "dspark4:--draft dspark-nemotron35 --width 4 --simulate-accept-length 3.7"; do
     for tree in . ${BASE:-}; do
-      tag=${spec%%:*}_$([ "$tree" = . ] && echo this || echo base)
+      tag=${spec%%:*}_$([ "$tree" = . ] && echo this || basename "$tree")
       (cd "$tree" && PYTHONPATH=$PWD timeout 130 python3 scripts/profile_step.py \
           --preset nemotron-3.5-lightning --quantized ${spec#*:} --out "$out/prof_$tag.txt" \
           2>>"$out/stderr.log" >/dev/null)
