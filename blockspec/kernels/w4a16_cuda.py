@@ -37,13 +37,20 @@ FALLBACK_TILE = (2, 4, 1)
 
 def cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int, mode: str) -> bool:
     """Whether a W4A16 call (``mode`` "pairs" or "dense"; weight [..., N, K/2]) runs here: bf16
-    CUDA activations (the MMA's type; fp16 stays with the Triton kernel), at most
-    ``MAX_TOKENS`` tokens, K a multiple of ``UNIT_K``, and not a shape where the tile table
-    measured the Triton kernel faster."""
+    CUDA activations (the MMA's type; fp16 stays with the Triton kernel) on sm_90 or later
+    (the decode's bf16x2 multiplies), at most ``MAX_TOKENS`` tokens, K a multiple of
+    ``UNIT_K``, and not a shape where the tile table measured the Triton kernel faster."""
     k = weight.shape[-1] * 2
     return (x.is_cuda and x.dtype == torch.bfloat16 and not interpreting()
             and 0 < tokens <= MAX_TOKENS and k % UNIT_K == 0
+            and _major(x.device.index) >= 9
             and measured_tile(mode, tokens, weight.shape[-2], k) != "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index: int | None) -> int:
+    """The device's major compute capability (an Ampere or Ada card keeps the Triton kernel)."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def default_tile(mode: str, tokens: int, n: int, k: int) -> tuple[int, int, int]:
