@@ -212,7 +212,7 @@ def test_tile_table_picks_tiles_and_hands_calls_back_to_triton(tmp_path, monkeyp
         assert tc.default_tile("pairs", 1, 2688, 1856) == tc.FALLBACK_TILE    # not measured
         assert tc.measured_tile("dense", 8, 2688, 4096) == "triton"           # Triton faster
         cuda_x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda", 0))
-        monkeypatch.setattr(tc, "_major", lambda index: 9)
+        monkeypatch.setattr(tc, "major_capability", lambda index: 9)
         w = torch.zeros(2688, 2048, dtype=torch.uint8)
         assert not tc.cuda_ok(cuda_x, w, 8, "dense")
         assert tc.cuda_ok(cuda_x, w, 8, "pairs")            # the same shape in the other mode
@@ -227,7 +227,7 @@ def test_cuda_pairs_only_for_cuda_tensors(monkeypatch):
     # before Hopper (no bf16x2 multiply) the Triton kernel keeps every call
     cuda_x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda", 0))
     for major, ok in ((8, False), (9, True), (10, True)):
-        monkeypatch.setattr(tc, "_major", lambda index, m=major: m)
+        monkeypatch.setattr(tc, "major_capability", lambda index, m=major: m)
         assert tc.cuda_ok(cuda_x, w, 2, "pairs") is ok
     with pytest.raises(ValueError, match="x must be bf16, got torch.float16"):
         tc.plan_dense(torch.zeros(2, 64, dtype=torch.float16), w[0], s[0], s2[0].reshape(1),

@@ -40,6 +40,13 @@ def load_kernels(path: str | Path) -> ModuleType:
     return _load(str(path), interpreting())
 
 
+@functools.lru_cache(maxsize=None)
+def major_capability(index: int | None) -> int:
+    """CUDA device ``index``'s major compute capability, asked once (launchers that pick a
+    kernel or a launch feature by architecture call it per launch)."""
+    return torch.cuda.get_device_capability(index)[0]
+
+
 @functools.lru_cache(maxsize=1)
 def triton_importable() -> bool:
     """Whether ``import triton`` works (the compiler, or the interpreter on CPU): the one place

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from blockspec.kernels.triton_loader import interpreting
+from blockspec.kernels.triton_loader import interpreting, major_capability
 
 SOURCE = Path(__file__).with_name("_w4a16_cuda.cu")
 MAX_TOKENS = 16          # two n8 MMA tiles of tokens
@@ -43,14 +43,9 @@ def cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int, mode: str) -> bo
     k = weight.shape[-1] * 2
     return (x.is_cuda and x.dtype == torch.bfloat16 and not interpreting()
             and 0 < tokens <= MAX_TOKENS and k % UNIT_K == 0
-            and _major(x.device.index) >= 9
+            and major_capability(x.device.index) >= 9
             and measured_tile(mode, tokens, weight.shape[-2], k) != "triton")
 
-
-@functools.lru_cache(maxsize=None)
-def _major(index: int | None) -> int:
-    """The device's major compute capability (an Ampere or Ada card keeps the Triton kernel)."""
-    return torch.cuda.get_device_capability(index)[0]
 
 
 def default_tile(mode: str, tokens: int, n: int, k: int) -> tuple[int, int, int]:
