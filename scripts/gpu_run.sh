@@ -44,10 +44,10 @@
 #              DFlash width-7 and DSpark gamma-3 steps' profiles
 #   abreplay   an A/B of the batch-1 steps' graph replays (profile_step: AR, DFlash width 7,
 #              DSpark gamma 3) between this tree and the trees in the folders $BASE (a space
-#              list; rows tagged by folder name), interleaved on one machine: make it with `git archive REF | tar -x -C _ab_base` (untracked, so
-#              it travels with the working tree; docs/ and the demo weights may go, not
-#              blockspec/demo_family's modules, which the engine imports); one line a run in
-#              $OUT/replays.txt
+#              list; rows tagged by folder name), interleaved on one machine. Make each with
+#              `git archive REF | tar -x -C _ab_x` (untracked, so it travels with the working
+#              tree; docs/ and the demo weights may go, not blockspec/demo_family's modules,
+#              which the engine imports); one line a run in $OUT/replays.txt
 # REQUIRE_GPU=H200 stops at once (exit 3) on any other card: a call that may land on either
 # kind then costs only its start when the wrong one comes.
 set -uo pipefail

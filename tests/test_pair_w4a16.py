@@ -211,7 +211,8 @@ def test_tile_table_picks_tiles_and_hands_calls_back_to_triton(tmp_path, monkeyp
             (2, 4, 2), (2, 4, 1), (2, 4, 1), (1, 8, 1), (1, 8, 1), (1, 8, 1)]
         assert tc.default_tile("pairs", 1, 2688, 1856) == tc.FALLBACK_TILE    # not measured
         assert tc.measured_tile("dense", 8, 2688, 4096) == "triton"           # Triton faster
-        cuda_x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda", 0))
+        cuda_x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16,
+                                 device=torch.device("cuda", 0))
         monkeypatch.setattr(tc, "major_capability", lambda index: 9)
         w = torch.zeros(2688, 2048, dtype=torch.uint8)
         assert not tc.cuda_ok(cuda_x, w, 8, "dense")

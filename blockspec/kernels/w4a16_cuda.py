@@ -47,7 +47,6 @@ def cuda_ok(x: torch.Tensor, weight: torch.Tensor, tokens: int, mode: str) -> bo
             and measured_tile(mode, tokens, weight.shape[-2], k) != "triton")
 
 
-
 def default_tile(mode: str, tokens: int, n: int, k: int) -> tuple[int, int, int]:
     """(m_tiles, k_warps, prefetch) for ``tokens`` rows of an [N, K] weight: 16-row MMA tiles
     per warp, warps splitting K in a CTA, and 64-K units each warp keeps loading ahead of

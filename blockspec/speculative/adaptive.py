@@ -125,25 +125,27 @@ class AcceptanceEWMA:
         self.ended = torch.zeros(slots, dtype=torch.int32, device=device)
         self.stop = torch.tensor(sorted(set(stop)), dtype=torch.long, device=device)
         self.dummy = slots - 1
-        self._pos = torch.arange(self.table.shape[1], device=device)
+        # 0 .. the widest step's last column (positions + 1 tokens)
+        self._pos = torch.arange(self.table.shape[1] + 1, device=device)
 
     def update(self, slot: torch.Tensor, verify_ctr: torch.Tensor, accepted: torch.Tensor,
                width: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Fold one step (``accepted`` drafts of ``width - 1`` verified) into the rows of
         ``slot`` and into the engine row; a request's first step (``verify_ctr`` 0) starts
         from the engine row as this step leaves it. A row whose committed ``tokens`` ([B,
-        width], the first ``accepted`` + 1 committed) hold a ``stop`` id observes nothing in this step and in the steps its
-        request still runs after it (launched ahead before the host saw the end): a draft
-        that misses the end of its answer, or the text past it, says nothing of the requests
-        that go on, and at a batch's end, where most steps are such, those misses dragged the
-        engine row that the next requests start from. Returns what the step reports, [B, 2P]
-        fp64: the rows' new values, then the new engine row in every row. (A speculative step
-        on CUDA runs this inside ``kernels/spec_commit.py``'s launch.)"""
-        j, a = self._pos[None], accepted[:, None]
+        width], the first ``accepted`` + 1 committed) hold a ``stop`` id observes nothing in
+        this step and in the steps its request still runs after it (launched ahead before the
+        host saw the end): a draft that misses the end of its answer, or the text past it, says
+        nothing of the requests that go on, and at a batch's end, where most steps are such,
+        those misses dragged the engine row that the next requests start from. Returns what
+        the step reports, [B, 2P] fp64: the rows' new values, then the new engine row in every
+        row. (A speculative step on CUDA runs this inside ``kernels/spec_commit.py``'s
+        launch.)"""
+        j, a = self._pos[None, :self.table.shape[1]], accepted[:, None]
         tested = (j <= a) & (j < width - 1)     # nothing at width 1: only new rows change
         done = (self.ended[slot] != 0) & (verify_ctr != 0)
         if tokens is not None:
-            committed = torch.arange(width, device=tokens.device)[None] <= a
+            committed = self._pos[None, :width] <= a
             done = done | ((tokens[..., None] == self.stop).any(-1) & committed).any(1)
         self.ended[slot] = done.to(self.ended.dtype)
         tested = tested & ~done[:, None]
