@@ -121,6 +121,15 @@ H100_MS = {1: [2.215, 3.1, 3.36, 3.535, 3.687, 3.819, 3.965, 4.122],
            64: [10.406, 14.508, 17.36, 20.336, 23.747, 24.66, 27.823, 32.988],
            128: [17.334, 25.005, 28.675, 33.621, 38.211, 41.678, 47.555, 55.972]}
 
+# one H200, main at 301e673, simulated text: the live tables at the end of the tau-1.5 adaptive
+# rows of docs/logs/adaptive_tau15_simtext_h200_2026-12-06.jsonl
+H200_SIMTEXT_MS = {1: [2.0, 2.811, 3.047, 3.145, 3.243, 3.352, 3.453, 3.52],
+                   4: [2.836, 3.548, 4.246, 4.58, 7.052, 7.537, 7.736, 8.018],
+                   16: [4.247, 7.476, 8.591, 9.319, 10.738, 11.55, 12.999, 13.334],
+                   64: [8.844, 13.397, 16.35, 19.426, 22.799, 23.887, 26.896, 30.801],
+                   128: [12.917, 21.882, 25.664, 30.198, 34.495, 37.872, 43.588, 47.62]}
+DEVICE_TABLES = {"h200": H200_MS, "h100": H100_MS, "h200-simtext": H200_SIMTEXT_MS}
+
 
 def finish_together(profile: list[float], batch: int, tables: dict[int, list[float]],
                     tokens: int = 128, seed: int = 0, width: int | None = None,
@@ -206,7 +215,7 @@ def main() -> None:
     ap.add_argument("--finish-together", type=int, default=None, metavar="TOKENS",
                     help="score batches of TOKENS-token requests that start together and are "
                          "not replaced (the bench's batch, its tail included) instead")
-    ap.add_argument("--device-table", choices=("h200", "h100"), default="h200",
+    ap.add_argument("--device-table", choices=tuple(DEVICE_TABLES), default="h200",
                     help="the step tables of --finish-together and of the default --cost-ms")
     ap.add_argument("--warm", default="", help="W1,W2,...: unscored runs first on the chooser, "
                     "pinned to each width, 'a' the chooser's own (the bench: its --fixed-widths, "
@@ -220,7 +229,7 @@ def main() -> None:
         every, length, scale = args.phases.split(",")
         phases = (int(every), int(length), float(scale))
     batches = [int(b) for b in args.batch.split(",")]
-    tables = H100_MS if args.device_table == "h100" else H200_MS
+    tables = DEVICE_TABLES[args.device_table]
     warm = tuple(None if w == "a" else int(w) for w in args.warm.split(",") if w)
     if args.finish_together:
         for b in batches:

@@ -61,3 +61,13 @@ def test_finish_together_scores_the_chooser_against_every_fixed_width():
                                       warm=(2, None))
     assert never["best_fixed"] == 1 and never["x_best_fixed"] > 0.9
     assert never["warm"] == [2, "a"]
+
+
+def test_every_device_table_holds_widths_1_to_8_at_the_bench_sizes():
+    # finish_together reads the table of the smallest size that holds the live requests, so a
+    # missing size or width would silently price steps from another one
+    for name, tables in sim.DEVICE_TABLES.items():
+        assert sorted(tables) == [1, 4, 16, 64, 128], name
+        for size, row in tables.items():
+            assert len(row) == 8 and all(ms > 0 for ms in row), (name, size)
+            assert row[0] == min(row), (name, size)     # width 1 verifies nothing: cheapest
