@@ -59,22 +59,16 @@ def test_commit_fused_equals_reference(workers, mode, adaptive, bs, pad, width):
         # requests that committed an end-of-sequence id in an earlier step (a new request in
         # the slot, verify counter 0, does not inherit it)
         w.ewma.ended.copy_(torch.randint(0, 2, w.ewma.ended.shape, generator=g))
-    table = w.ewma.table.clone().to(mode) if adaptive else None
-    engine = w.ewma.engine.clone().to(mode) if adaptive else None
-    engine_n = w.ewma.engine_n.clone().to(mode) if adaptive else None
-    ended = w.ewma.ended.clone().to(mode) if adaptive else None
-    stop = w.ewma.stop.to(mode) if adaptive else None
+    # the EWMA's state on the kernel's device, copies (the reference updates the worker's own)
+    ewma = ({k: v.clone().to(mode) if torch.is_tensor(v) else v
+             for k, v in w.ewma.kernel_args().items()} if adaptive else {})
     # the step inputs are rows of one int64 block, as StepInputs keeps them (offset views)
     block = torch.stack([inp[k] for k in FIELDS]).to(mode)
     dev = {k: block[i] for i, k in enumerate(FIELDS)}
 
     want_toks, want = w.commit_reference(inp, acc, bonus, drafts, width)
-    toks, got = spec_commit_fused(acc.to(mode), bonus.to(mode), drafts.to(mode), dev, table,
-                                  engine, engine_n, ended, stop, width=width, gamma=w.gamma,
-                                  dummy=dummy,
-                                  alpha=w.ewma.alpha if adaptive else 0.0,
-                                  engine_alpha=w.ewma.engine_alpha if adaptive else 0.0,
-                                  engine_prior_n=w.ewma.engine_prior_n if adaptive else 0.0)
+    toks, got = spec_commit_fused(acc.to(mode), bonus.to(mode), drafts.to(mode), dev,
+                                  width=width, gamma=w.gamma, dummy=dummy, **ewma)
     assert torch.equal(toks.cpu(), want_toks)
     assert got.shape == want.shape and got.dtype == torch.float64
     assert torch.equal(got.cpu()[:, :1 + 2 * width], want[:, :1 + 2 * width])
@@ -82,11 +76,12 @@ def test_commit_fused_equals_reference(workers, mode, adaptive, bs, pad, width):
     for k in FIELDS:
         assert torch.equal(dev[k].cpu(), inp[k]), k
     if adaptive:
-        torch.testing.assert_close(engine.cpu(), w.ewma.engine, rtol=0, atol=1e-6)
-        assert torch.equal(engine_n.cpu(), w.ewma.engine_n)
-        assert torch.equal(ended.cpu()[:-1], w.ewma.ended[:-1])
+        torch.testing.assert_close(ewma["engine"].cpu(), w.ewma.engine, rtol=0, atol=1e-6)
+        assert torch.equal(ewma["engine_n"].cpu(), w.ewma.engine_n)
+        assert torch.equal(ewma["ended"].cpu()[:-1], w.ewma.ended[:-1])
         assert w.ewma.ended[inp["slot"][0]] == (width > 1)      # row 0 committed one
-        torch.testing.assert_close(table.cpu()[:-1], w.ewma.table[:-1], rtol=0, atol=1e-6)
+        torch.testing.assert_close(ewma["table"].cpu()[:-1], w.ewma.table[:-1], rtol=0,
+                                   atol=1e-6)
     # the check can fail: the inputs moved (real rows only) and the bonus is committed
     live = inp["slot"] != dummy
     assert torch.equal(inp["token"][live], bonus[live])

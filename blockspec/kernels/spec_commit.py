@@ -14,19 +14,20 @@ _KERNELS = Path(__file__).with_name("_spec_commit_kernels.py")
 
 
 def spec_commit_fused(acc: torch.Tensor, bonus: torch.Tensor, drafts: torch.Tensor,
-                      inp: dict[str, torch.Tensor], table: torch.Tensor | None,
-                      engine: torch.Tensor | None, engine_n: torch.Tensor | None,
-                      ended: torch.Tensor | None, stop: torch.Tensor | None, *,
-                      width: int, gamma: int, dummy: int, alpha: float,
-                      engine_alpha: float, engine_prior_n: float
+                      inp: dict[str, torch.Tensor], *, width: int, gamma: int, dummy: int,
+                      table: torch.Tensor | None = None, engine: torch.Tensor | None = None,
+                      engine_n: torch.Tensor | None = None, ended: torch.Tensor | None = None,
+                      stop: torch.Tensor | None = None, alpha: float = 0.0,
+                      engine_alpha: float = 0.0, engine_prior_n: float = 0.0
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(committed tokens [B, width] int64, output [B, 1 + 2 width + 2 gamma] fp64: accepted
-    drafts, tokens, zero logprobs, the rows' EWMA and the engine row). Updates ``table``
-    [slots, gamma] / ``engine`` [gamma] and its sample counts ``engine_n`` [gamma] (all None:
-    a fixed width, EWMA columns zero), where a row whose request has committed one of the
-    end-of-sequence ids ``stop`` (int64 [S]), now or before (``ended`` [slots] int32, kept
-    here), observes nothing, and advances ``inp``'s token, prefix, sample_ctr and
-    verify_ctr in place, as ``SpecWorker.commit_reference`` does."""
+    drafts, tokens, zero logprobs, the rows' EWMA and the engine row). With the EWMA's state
+    (``AcceptanceEWMA.kernel_args()``; none of it: a fixed width, EWMA columns zero) it updates
+    ``table`` [slots, gamma] / ``engine`` [gamma] and its sample counts ``engine_n`` [gamma],
+    where a row whose request has committed one of the end-of-sequence ids ``stop`` (int64
+    [S]), now or before (``ended`` [slots] int32, kept here), observes nothing. Advances
+    ``inp``'s token, prefix, sample_ctr and verify_ctr in place, as
+    ``SpecWorker.commit_reference`` does."""
     bs = acc.shape[0]
     toks = torch.empty(bs, width, dtype=torch.int64, device=acc.device)
     out = torch.empty(bs, 1 + 2 * width + 2 * gamma, dtype=torch.float64, device=acc.device)

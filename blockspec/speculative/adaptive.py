@@ -128,6 +128,13 @@ class AcceptanceEWMA:
         # 0 .. the widest step's last column (positions + 1 tokens)
         self._pos = torch.arange(self.table.shape[1] + 1, device=device)
 
+    def kernel_args(self) -> dict[str, torch.Tensor | float]:
+        """This state and these rates as the keyword arguments of
+        ``kernels/spec_commit.spec_commit_fused``, which runs ``update`` inside its launch."""
+        return {"table": self.table, "engine": self.engine, "engine_n": self.engine_n,
+                "ended": self.ended, "stop": self.stop, "alpha": self.alpha,
+                "engine_alpha": self.engine_alpha, "engine_prior_n": self.engine_prior_n}
+
     def update(self, slot: torch.Tensor, verify_ctr: torch.Tensor, accepted: torch.Tensor,
                width: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Fold one step (``accepted`` drafts of ``width - 1`` verified) into the rows of

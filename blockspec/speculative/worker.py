@@ -328,16 +328,9 @@ class SpecWorker:
     def commit_fused(self, inp: dict[str, torch.Tensor], acc: torch.Tensor, bonus: torch.Tensor,
                      drafts: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``commit_reference`` as one Triton launch (``kernels/spec_commit.py``)."""
-        e = self.ewma
-        return spec_commit_fused(acc, bonus, drafts, inp, None if e is None else e.table,
-                                 None if e is None else e.engine,
-                                 None if e is None else e.engine_n,
-                                 None if e is None else e.ended,
-                                 None if e is None else e.stop, width=width, gamma=self.gamma,
+        return spec_commit_fused(acc, bonus, drafts, inp, width=width, gamma=self.gamma,
                                  dummy=self.memory.dummy_slot,
-                                 alpha=e.alpha if e else 0.0,
-                                 engine_alpha=e.engine_alpha if e else 0.0,
-                                 engine_prior_n=e.engine_prior_n if e else 0.0)
+                                 **(self.ewma.kernel_args() if self.ewma is not None else {}))
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the draft rows: the worker's NVFP4 head copy if it made one, else
